@@ -1,0 +1,134 @@
+"""The `splitspec` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import pathlib
+import sys
+import time
+
+from verifier.errors import SplitspecError
+
+logger = logging.getLogger(__name__)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from cluster.local import OFF
+    from proposers.registry import PROPOSERS
+
+    p.add_argument("--model", default=None, help="a .gguf file or HF checkpoint directory (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: from the model)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="float32 (default) is exact; bfloat16 is faster on CPUs with AVX512-BF16")
+    p.add_argument("--speculation", choices=(OFF, *sorted(PROPOSERS)), default="ngram")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round (0 = no speculation)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="context length per sequence")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from cluster.local import LocalEngineSpec, build_local_engine
+    from verifier.sampling_params import SamplingParams
+
+    if args.prompt_file is not None:
+        prompt_text = pathlib.Path(args.prompt_file).read_text()
+    else:
+        prompt_text = args.prompt
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+    ).validate()
+    if args.k < 0:
+        raise SystemExit("error: --k must be >= 0")
+    engine = build_local_engine(LocalEngineSpec(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
+        k=args.k, max_num_seqs=1, max_model_len=args.max_model_len,
+    ))
+    tok = engine.tokenizer
+    if args.chat:
+        prompt_text = tok.apply_chat_template([{"role": "user", "content": prompt_text}])
+    prompt_ids = tok.encode(prompt_text)
+
+    async def run() -> tuple[list[int], str, object, str]:
+        token_ids: list[int] = []
+        pieces: list[str] = []
+        async for out in engine.generate(prompt_ids, params):
+            token_ids.extend(out.token_ids)
+            pieces.append(out.text)
+            if not args.json:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+            if out.finished:
+                return token_ids, "".join(pieces), out.stats, out.finish_reason.value
+        raise AssertionError("stream ended without a final event")
+
+    start = time.perf_counter()
+    token_ids, text, stats, finish_reason = asyncio.run(run())
+    wall = time.perf_counter() - start
+    summary = stats.as_dict()
+    if args.json:
+        print(json.dumps({
+            "text": text,
+            "token_ids": token_ids,
+            "prompt_token_ids": prompt_ids,
+            "finish_reason": finish_reason,
+            "speculation": args.speculation if args.k > 0 else "off",
+            "k": args.k,
+            "dtype": args.dtype,
+            "stats": summary,
+        }))
+    else:
+        print()
+        print(
+            f"[{len(token_ids)} tokens in {wall:.2f}s, {summary['tokens_per_second']:.1f} tok/s, "
+            f"rounds {summary['rounds']}, drafted {summary['drafted']}, accepted {summary['accepted']}, "
+            f"mean acceptance length {summary['mean_acceptance_length']:.2f}, finish {finish_reason}]"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitspec", description="Disaggregated speculative decoding.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text locally with the in-process engine")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from a file")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _add_engine_args(g)
+    g.set_defaults(func=_generate)
+
+    from cluster.engine_bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except SplitspecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""`splitspec engine-bench`: the in-process engine, plain decoding vs speculation, side by side.
+
+One process, one model. For each repeat, workload and batch size it runs the same greedy
+requests with speculation off and with n-gram speculation (alternating which goes first),
+and — at batch 1 — through HF transformers' `generate` on the same weights and dtype.
+Figures are output tokens per second of wall time; the summary quotes medians over
+repeats of per-repeat ratios, because this machine is shared and noisy.
+
+Greedy speculation is exact, so both modes emit the same tokens; the benchmark checks
+that too and reports any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+import time
+
+import torch
+
+from cluster.workloads import WORKLOADS, load_prompts
+from verifier.engine import Engine, EngineConfig
+from verifier.policy import OffPolicy, StaticPolicy
+from verifier.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Row:
+    repeat: int
+    workload: str
+    batch: int
+    mode: str  # "off" | "ngram:k" | "hf"
+    num_requests: int
+    output_tokens: int
+    wall_s: float
+    mean_acceptance_length: float
+    acceptance_rate: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def _run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, batch: int):
+    """Serve `prompts` `batch` at a time; returns (results, wall seconds)."""
+    start = time.perf_counter()
+    results = []
+    for i in range(0, len(prompts), batch):
+        results += engine.generate_sync(prompts[i : i + batch], params)
+    return results, time.perf_counter() - start
+
+
+def _summarise(results) -> tuple[int, float, float]:
+    tokens = sum(len(r.token_ids) for r in results)
+    rounds = sum(r.stats.rounds_with_drafts for r in results)
+    drafted = sum(r.stats.drafted for r in results)
+    accepted = sum(r.stats.accepted for r in results)
+    mal = 1 + accepted / rounds if rounds else 1.0
+    return tokens, mal, (accepted / drafted if drafted else 0.0)
+
+
+def _load_hf(dtype: torch.dtype):
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from verifier.models.bundled import bundled_model_path
+
+    path = bundled_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+
+
+def _run_hf(hf, prompts: list[list[int]], max_tokens: int, eos_ids) -> tuple[list[list[int]], float]:
+    outputs = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                              eos_token_id=sorted(eos_ids), pad_token_id=sorted(eos_ids)[0])
+            outputs.append(out[0, len(p):].tolist())
+    return outputs, time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict:
+    from cluster.local import load_tokenizer
+    from proposers.ngram import NgramProposer
+    from verifier.models.loader import DTYPES, load_model
+
+    model = load_model(args.model, args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    max_batch = max(args.batch)
+    config = EngineConfig(max_num_seqs=max_batch, max_model_len=args.max_model_len)
+    engines = {
+        "off": Engine(model, tokenizer, config, None, OffPolicy()),
+        f"ngram:{args.k}": Engine(model, tokenizer, config, NgramProposer(), StaticPolicy(args.k)),
+    }
+    hf = _load_hf(DTYPES[args.dtype]) if args.hf and args.model is None else None
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    prompts = {w: load_prompts(w, tokenizer)[: args.requests] for w in args.workload}
+    rows: list[Row] = []
+    mismatches = 0
+    for repeat in range(args.repeats):
+        for w in args.workload:
+            for batch in args.batch:
+                order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+                outputs = {}
+                for mode in order:
+                    results, wall = _run_engine(engines[mode], prompts[w], params, batch)
+                    tokens, mal, rate = _summarise(results)
+                    outputs[mode] = [r.token_ids for r in results]
+                    rows.append(Row(repeat, w, batch, mode, len(results), tokens, wall, mal, rate))
+                    _progress(rows[-1])
+                mismatches += sum(a != b for a, b in zip(*outputs.values()))
+                if hf is not None and batch == 1:
+                    hf_out, wall = _run_hf(hf, prompts[w], args.max_tokens, tokenizer.eos_token_ids)
+                    rows.append(Row(repeat, w, 1, "hf", len(hf_out), sum(map(len, hf_out)), wall, 1.0, 0.0))
+                    _progress(rows[-1])
+    report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": [
+        {**dataclasses.asdict(r), "tokens_per_s": round(r.tokens_per_s, 2)} for r in rows
+    ], "summary": _ratios(rows, f"ngram:{args.k}"), "greedy_mismatches": mismatches}
+    return report
+
+
+def _progress(row: Row) -> None:
+    print(f"  repeat {row.repeat} {row.workload:<10} batch {row.batch} {row.mode:<8} "
+          f"{row.output_tokens:5d} tokens {row.wall_s:7.2f}s {row.tokens_per_s:7.2f} tok/s "
+          f"mean acceptance length {row.mean_acceptance_length:.2f}", file=sys.stderr, flush=True)
+
+
+def _ratios(rows: list[Row], spec_mode: str) -> list[dict]:
+    """Median over repeats of per-repeat tokens/s ratios, per workload and batch."""
+    by_key: dict[tuple, dict[str, list[Row]]] = {}
+    for r in rows:
+        by_key.setdefault((r.workload, r.batch), {}).setdefault(r.mode, []).append(r)
+    summary = []
+    for (workload, batch), modes in by_key.items():
+        off = modes["off"]
+        spec = modes[spec_mode]
+        entry = {
+            "workload": workload,
+            "batch": batch,
+            "off_tokens_per_s_median": round(statistics.median(r.tokens_per_s for r in off), 2),
+            "spec_tokens_per_s_median": round(statistics.median(r.tokens_per_s for r in spec), 2),
+            "speedup_median": round(statistics.median(s.tokens_per_s / o.tokens_per_s for s, o in zip(spec, off)), 3),
+            "mean_acceptance_length": round(statistics.median(r.mean_acceptance_length for r in spec), 3),
+        }
+        if "hf" in modes:
+            entry["off_vs_hf_median"] = round(
+                statistics.median(o.tokens_per_s / h.tokens_per_s for o, h in zip(off, modes["hf"])), 3)
+        summary.append(entry)
+    return summary
+
+
+def _main(args: argparse.Namespace) -> int:
+    report = run(args)
+    print(f"{'workload':<10} {'batch':>5} {'off tok/s':>10} {'ngram tok/s':>12} {'speedup':>8} "
+          f"{'mean acc len':>13} {'off/HF':>7}")
+    for s in report["summary"]:
+        print(f"{s['workload']:<10} {s['batch']:>5} {s['off_tokens_per_s_median']:>10} "
+              f"{s['spec_tokens_per_s_median']:>12} {s['speedup_median']:>8} {s['mean_acceptance_length']:>13} "
+              f"{s.get('off_vs_hf_median', '-'):>7}")
+    print(f"greedy mismatches between off and ngram: {report['greedy_mismatches']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("engine-bench", help="time plain decoding vs n-gram speculation (and HF generate) in-process")
+    p.add_argument("--model", default=None, help="model path (default: bundled; HF comparison only for the bundled model)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--workload", action="append", choices=WORKLOADS,
+                   help="repeatable (default: code_edit and chat)")
+    p.add_argument("--batch", type=_int_list, default=[1, 8], help="comma-separated batch sizes (default 1,8)")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--requests", type=int, default=8, help="prompts per workload")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF transformers comparison")
+    p.add_argument("--json", default=None, help="write rows and summary to this file")
+    p.set_defaults(func=lambda a: _main(_defaults(a)))
+
+
+def _defaults(args: argparse.Namespace) -> argparse.Namespace:
+    args.workload = args.workload or ["code_edit", "chat"]
+    return args

@@ -1,0 +1,67 @@
+"""The `ProposalSource` protocol: how the engine asks for draft tokens.
+
+The same protocol is implemented by in-process proposers (injected by `cluster`) and by
+the gRPC proposer client, so the engine never knows where drafts come from.
+
+Delta contract (DESIGN.md, "Proposer RPC"): for each sequence the engine sends
+`base_len` (how many leading context tokens the proposer may keep from its previous state
+for this `seq_id`) and `append_token_ids` (the context tokens after `base_len`). The
+proposer truncates its state to `base_len`, appends, and drafts at most `k` tokens that
+continue the context. If it has fewer than `base_len` tokens for the sequence (unknown
+`seq_id`, restart), it answers `resync=True`; the engine then sends the full context
+(`base_len == 0`) next round and speculates 0 for that sequence this round.
+
+Example: context so far `[5, 6, 7]` synced; a round commits `[8, 9]`; the next request is
+`ProposalRequest(seq_id, base_len=3, append_token_ids=(8, 9), k=4, temperature=0.0)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposalRequest:
+    """One sequence's share of a batched proposal call."""
+
+    seq_id: str
+    base_len: int
+    # int32 [n_append]: context tokens after base_len (prompt tokens, then output tokens).
+    append_token_ids: np.ndarray
+    k: int
+    temperature: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one sequence.
+
+    `draft_token_ids`: int32 [n], n <= k (n may be 0: nothing to propose).
+    `draft_probs`: float32 [n, vocab] — the draft distribution q each token was sampled
+    from — or None for a deterministic draft (treated as one-hot q by the verifier).
+    `resync`: the proposer lacks `base_len` tokens of state; send the full context.
+    """
+
+    seq_id: str
+    draft_token_ids: np.ndarray
+    draft_probs: np.ndarray | None = None
+    resync: bool = False
+
+
+@runtime_checkable
+class ProposalSource(Protocol):
+    """Anything that turns batched context deltas into draft tokens."""
+
+    #: Short method name used in stats and metrics, e.g. "ngram".
+    method: str
+
+    async def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        """Return one `Proposal` per request, in request order."""
+        ...
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        """Forget the state of finished or aborted sequences (idempotent)."""
+        ...

@@ -1,0 +1,533 @@
+"""Text <-> token ids for the target model, built from a GGUF file or a local HF directory.
+
+`Tokenizer` wraps a `tokenizers.Tokenizer` (the Rust BPE) and adds what the serving path
+needs around it: BOS handling, the set of ids that end generation, and the chat template.
+`IncrementalDetokenizer` turns a stream of token ids into a stream of final text deltas,
+holding back incomplete UTF-8 and possible stop-string prefixes.
+
+A GGUF stores no `tokenizer.json`: only the vocabulary, the merges, token types and the
+name of the pre-tokenizer (`tokenizer.ggml.pre`). The split regexes below are the ones
+llama.cpp applies for each name (src/llama-vocab.cpp), written as the tokenizers library
+spells them; each regex isolates its matches and the next one splits the pieces further.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import gguf
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from verifier.errors import InvalidRequestError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# GPT-2's split: contractions, letters, numbers, other symbols, each with one optional
+# leading space; runs of whitespace keep their last space for the following word.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Llama 3 (tiktoken cl100k style): case-insensitive contractions, numbers in groups of <= 3,
+# newlines kept apart from other whitespace.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen2: as Llama 3 but every digit is its own piece.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Isolate every digit first (HF's `Digits(individual_digits=True)`), then split as GPT-2.
+_DIGIT_SPLIT = r"\p{N}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreTokenizerSpec:
+    """How one `tokenizer.ggml.pre` family cuts text before BPE.
+
+    `splits` are applied in order; `ignore_merges` takes a piece that is itself a token
+    whole instead of merging it pair by pair; `add_bos` is the default when the file has
+    no `tokenizer.ggml.add_bos_token` (llama.cpp's defaults).
+    """
+
+    splits: tuple[str, ...]
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+_PRE_TOKENIZERS: Mapping[str, _PreTokenizerSpec] = {
+    "gpt-2": _PreTokenizerSpec((_GPT2_SPLIT,)),
+    # Files without a pre-tokenizer name; llama.cpp adds legacy splits here and warns that
+    # quality degrades. Such files are GPT-2 style vocabularies, so we split as GPT-2.
+    "default": _PreTokenizerSpec((_GPT2_SPLIT,)),
+    "smollm": _PreTokenizerSpec((_DIGIT_SPLIT, _GPT2_SPLIT)),
+    "qwen2": _PreTokenizerSpec((_QWEN2_SPLIT,)),
+    "llama-bpe": _PreTokenizerSpec((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True),
+}
+_SUPPORTED_MODELS = ("gpt2",)
+# Token types matched whole in the input text instead of being cut by BPE; control and
+# unknown tokens are also special (dropped by `skip_special_tokens`).
+_SPECIAL_TYPES = frozenset({gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN})
+_ADDED_TYPES = frozenset({gguf.TokenType.USER_DEFINED})
+# Tokens that end an assistant turn in common chat formats (ChatML, Llama 3, Phi-3, Gemma,
+# Llama 3.1 tool calls). One counts as an end of generation only when the model's chat
+# template writes it and the vocabulary has it as a single token.
+_END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer plus the model's special ids and chat template.
+
+    Build it with `from_gguf` or `from_dir`. `encode` adds BOS only when the model asks
+    for it (`add_bos`); SmolLM2 does not, its chat template writes `<|im_start|>` itself:
+
+    >>> tok = Tokenizer.from_gguf(bundled_model_path())          # doctest: +SKIP
+    >>> tok.encode("<|im_start|>user\\nhi<|im_end|>")            # doctest: +SKIP
+    [1, 4093, 198, 6004, 2]
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        vocab_size: int,
+        bos_token_id: int | None,
+        eos_token_ids: frozenset[int],
+        bos_token: str | None,
+        eos_token: str | None,
+        prefix_token_ids: tuple[int, ...] = (),
+        suffix_token_ids: tuple[int, ...] = (),
+        add_bos: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        """Prefer the constructors. `prefix_token_ids` / `suffix_token_ids` are added
+        around the text by `encode` when the backend has no post-processor doing it."""
+        self._backend = backend
+        self._vocab_size = vocab_size
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = eos_token_ids
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self._prefix = prefix_token_ids
+        self._suffix = suffix_token_ids
+        self._add_bos = add_bos
+        self._chat_template = chat_template
+        self._compiled_template = _compile_chat_template(chat_template) if chat_template else None
+
+    # --- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path_or_reader: str | os.PathLike[str] | gguf.GGUFReader) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes; `ModelLoadError` names what is missing
+        or unsupported (only `tokenizer.ggml.model == 'gpt2'`, byte-level BPE, is).
+
+        Control, unknown and user-defined tokens become added tokens, so `<|im_end|>` in
+        the text is one token, never cut. EOS ids: see `_eos_token_ids`.
+        """
+        reader = path_or_reader if isinstance(path_or_reader, gguf.GGUFReader) else _open_gguf(path_or_reader)
+        keys = gguf.Keys.Tokenizer
+        model = _gguf_value(reader, keys.MODEL)
+        if model not in _SUPPORTED_MODELS:
+            raise ModelLoadError(
+                f"{keys.MODEL}={model!r} is not supported (supported: {list(_SUPPORTED_MODELS)}); "
+                "'llama' is a SentencePiece vocabulary"
+            )
+        pre = _gguf_value(reader, keys.PRE, required=False) or "default"
+        spec = _PRE_TOKENIZERS.get(pre)
+        if spec is None:
+            raise ModelLoadError(f"{keys.PRE}={pre!r} is not supported (supported: {sorted(_PRE_TOKENIZERS)})")
+        if pre == "default":
+            logger.warning("GGUF names no pre-tokenizer; splitting as GPT-2, which may not match the model")
+        tokens: list[str] = _gguf_value(reader, keys.LIST)
+        merges: list[str] = _gguf_value(reader, keys.MERGES)
+        token_types = _gguf_value(reader, keys.TOKEN_TYPE, required=False) or [gguf.TokenType.NORMAL] * len(tokens)
+        if len(token_types) != len(tokens):
+            raise ModelLoadError(f"{keys.TOKEN_TYPE} has {len(token_types)} entries for {len(tokens)} tokens")
+
+        backend = _byte_level_bpe(tokens, merges, spec)
+        special = [t for t, kind in zip(tokens, token_types) if kind in _SPECIAL_TYPES]
+        added = [t for t, kind in zip(tokens, token_types) if kind in _ADDED_TYPES]
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+
+        bos_id = _gguf_token_id(reader, keys.BOS_ID, len(tokens))
+        eos_id = _gguf_token_id(reader, keys.EOS_ID, len(tokens))
+        add_bos = _gguf_value(reader, keys.ADD_BOS, required=False)
+        add_bos = spec.add_bos if add_bos is None else bool(add_bos)
+        add_eos = bool(_gguf_value(reader, keys.ADD_EOS, required=False))
+        for flag, key, token_id in ((add_bos, keys.ADD_BOS, bos_id), (add_eos, keys.ADD_EOS, eos_id)):
+            if flag and token_id is None:
+                raise ModelLoadError(f"{key} is set but the file has no id for that token")
+        chat_template = _gguf_value(reader, keys.CHAT_TEMPLATE, required=False)
+        declared = [eos_id] + [_gguf_token_id(reader, k, len(tokens)) for k in (keys.EOT_ID, keys.EOM_ID)]
+        return cls(
+            backend,
+            vocab_size=len(tokens),
+            bos_token_id=bos_id,
+            eos_token_ids=_eos_token_ids(declared, chat_template, backend),
+            bos_token=tokens[bos_id] if bos_id is not None else None,
+            eos_token=tokens[eos_id] if eos_id is not None else None,
+            prefix_token_ids=(bos_id,) if add_bos else (),
+            suffix_token_ids=(eos_id,) if add_eos else (),
+            add_bos=add_bos,
+            chat_template=chat_template,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load a local HF tokenizer directory, reading files only (never the network).
+
+        Needs `tokenizer.json`; reads `tokenizer_config.json` (bos/eos tokens, chat
+        template), `chat_template.jinja` (preferred over the config's template) and
+        `generation_config.json` (`eos_token_id`, int or list) when present. BOS/EOS are
+        added by the `tokenizer.json` post-processor, as in transformers.
+        """
+        root = pathlib.Path(path)
+        tokenizer_file = root / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(f"{tokenizer_file} not found (only fast tokenizers are supported)")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the Rust side raises a bare Exception on bad JSON
+            raise ModelLoadError(f"cannot read {tokenizer_file}: {e}") from e
+        config = _read_json(root / "tokenizer_config.json")
+        generation = _read_json(root / "generation_config.json")
+
+        bos_token = _token_content(config.get("bos_token"))
+        eos_token = _token_content(config.get("eos_token"))
+        bos_id = backend.token_to_id(bos_token) if bos_token is not None else None
+        eos_id = backend.token_to_id(eos_token) if eos_token is not None else None
+        generation_eos = generation.get("eos_token_id")
+        generation_eos = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+
+        template_file = root / "chat_template.jinja"
+        chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        if isinstance(chat_template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in chat_template}
+            chat_template = named.get("default")
+        add_bos = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+        return cls(
+            backend,
+            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            bos_token_id=bos_id,
+            eos_token_ids=_eos_token_ids([eos_id, *generation_eos], chat_template, backend),
+            bos_token=bos_token,
+            eos_token=eos_token,
+            add_bos=add_bos,
+            chat_template=chat_template,
+        )
+
+    # --- properties ---------------------------------------------------------------------
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer` (vocabulary look-ups, offsets)."""
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the embedding rows for a GGUF)."""
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end generation: the declared EOS / end-of-turn ids, plus each of
+        `_END_OF_TURN_MARKERS` that the chat template writes and the vocabulary has."""
+        return self._eos_token_ids
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether `encode(..., add_special_tokens=True)` starts with BOS."""
+        return self._add_bos
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    # --- text <-> ids -------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special-token text such as `<|im_end|>` is always one token;
+        `add_special_tokens` only controls BOS/EOS added around the text."""
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and (self._prefix or self._suffix):
+            return [*self._prefix, *ids, *self._suffix]
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `token_ids`; bytes that are not valid UTF-8 (a character cut between
+        tokens) become U+FFFD."""
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's chat template, as transformers does (sandboxed
+        jinja2, `trim_blocks`/`lstrip_blocks`, `bos_token`/`eos_token`, `raise_exception`).
+
+        Raises `InvalidRequestError` (a `ValueError`) when the model has no chat template or
+        the template rejects the conversation (e.g. roles that do not alternate).
+        """
+        if self._compiled_template is None:
+            raise InvalidRequestError(
+                "messages", "this model has no chat template; send a plain prompt to the completions API"
+            )
+        try:
+            return self._compiled_template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token or "",
+                eos_token=self._eos_token or "",
+            )
+        except _TemplateRaised as e:
+            raise InvalidRequestError("messages", str(e)) from e
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError("messages", f"the chat template failed: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Turns token ids, as they are generated, into text that will not change any more.
+
+    `add(ids)` returns the new final text. It holds back (a) text ending in an incomplete
+    UTF-8 character (U+FFFD at the end of the decoded window) and (b) a tail that could be
+    the start of a stop string. When a stop string appears, `stopped` becomes True and the
+    text ends right before it; later calls return "". `finish()` flushes what is held.
+    `text` is everything returned so far.
+
+    Cost per call is bounded: only the window `ids[prefix_offset:]` is decoded, where
+    `prefix_offset` trails the last final token boundary by one step (the usual
+    prefix/read offset scheme). Decoding from a few tokens back, and diffing against the
+    same prefix decoded alone, keeps decoders that strip a leading space consistent.
+
+    >>> d = IncrementalDetokenizer(tok, stop=["\\n\\n"])   # doctest: +SKIP
+    >>> d.add(tok.encode("Hi.\\n")), d.add(tok.encode("\\nmore")), d.stopped  # doctest: +SKIP
+    ('Hi.', '', True)
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> None:
+        """`skip_special_tokens` drops control tokens from the text (default, as an API
+        answer should); pass False to see them, as `Tokenizer.decode` does by default."""
+        for s in stop:
+            if not s:
+                raise InvalidRequestError("stop", f"stop strings must be non-empty, got {s!r}")
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0  # window start: decoded only to diff against
+        self._read_offset = 0  # text of ids[:read_offset] has been released or held
+        self._held = ""  # final text kept back because it may begin a stop string
+        self._parts: list[str] = []
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All text returned by `add` and `finish` so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append `token_ids`; return the text that became final (possibly "")."""
+        if self.stopped:
+            return ""
+        self._token_ids.extend(token_ids)
+        fresh = self._decode_window(final=False)
+        return "" if fresh is None else self._release(fresh, final=False)
+
+    def finish(self) -> str:
+        """Flush everything held back (an incomplete character comes out as U+FFFD)."""
+        if self.stopped:
+            return ""
+        fresh = self._decode_window(final=True)
+        assert fresh is not None, f"{self._read_offset=}"
+        return self._release(fresh, final=True)
+
+    def _decode_window(self, final: bool) -> str | None:
+        """Text of the tokens after `read_offset`, or None while it ends mid-character."""
+        ids = self._token_ids
+        skip = self._skip_special_tokens
+        prefix_text = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip)
+        window_text = self._tokenizer.decode(ids[self._prefix_offset :], skip)
+        if not final and window_text.endswith(_REPLACEMENT_CHAR):
+            return None
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return window_text[len(prefix_text) :]
+
+    def _release(self, fresh: str, final: bool) -> str:
+        """Cut at the first stop string, else keep back a possible stop prefix; emit the rest."""
+        pending = self._held + fresh
+        cut = first_stop(pending, self._stop)
+        if cut is not None:
+            self.stopped = True
+            out, self._held = pending[:cut], ""
+        else:
+            keep = len(pending) if final else stop_prefix_start(pending, self._stop, self._max_stop_len)
+            out, self._held = pending[:keep], pending[keep:]
+        if out:
+            self._parts.append(out)
+        return out
+
+
+def first_stop(text: str, stop: Iterable[str]) -> int | None:
+    """Index where the earliest stop string in `text` begins, or None.
+
+    >>> first_stop("a.b\\n\\nc", ["\\n\\n", "b"])
+    2
+    """
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def stop_prefix_start(text: str, stop: Iterable[str], max_stop_len: int) -> int:
+    """Smallest i such that `text[i:]` is a proper, non-empty prefix of a stop string;
+    `len(text)` when no tail of `text` could begin one. Only the last
+    `max_stop_len - 1` characters are examined.
+
+    >>> stop_prefix_start("Hello</", ["</s>"], 4)
+    5
+    """
+    stop = tuple(stop)
+    for i in range(max(0, len(text) - max_stop_len + 1), len(text)):
+        tail = text[i:]
+        if any(s.startswith(tail) for s in stop):
+            return i
+    return len(text)
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read GGUF {os.fspath(path)!r}: {e}") from e
+
+
+def _gguf_value(reader: gguf.GGUFReader, key: str, required: bool = True) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if required:
+            raise ModelLoadError(f"GGUF metadata has no {key!r}")
+        return None
+    try:
+        return field.contents()
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"GGUF metadata {key!r} is not valid UTF-8: {e}") from e
+
+
+def _gguf_token_id(reader: gguf.GGUFReader, key: str, num_tokens: int) -> int | None:
+    token_id = _gguf_value(reader, key, required=False)
+    if token_id is not None and not 0 <= token_id < num_tokens:
+        raise ModelLoadError(f"{key}={token_id} is outside the vocabulary of {num_tokens} tokens")
+    return token_id
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], spec: _PreTokenizerSpec) -> tokenizers.Tokenizer:
+    """BPE over the GPT-2 byte alphabet with the family's splits and a byte-level decoder.
+
+    Duplicate token texts (some files pad with repeats) keep their first id; the others
+    are unreachable from text, as in llama.cpp.
+    """
+    vocab: dict[str, int] = {}
+    for token_id, text in enumerate(tokens):
+        vocab.setdefault(text, token_id)
+    if len(vocab) != len(tokens):
+        logger.info("%d duplicate token texts in the GGUF vocabulary", len(tokens) - len(vocab))
+    pairs: list[tuple[str, str]] = []
+    for rank, merge in enumerate(merges):
+        left, sep, right = merge.partition(" ")
+        if not sep or not left or not right or " " in right:
+            raise ModelLoadError(f"merge #{rank} {merge!r} is not two tokens separated by one space")
+        pairs.append((left, right))
+    try:
+        model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=spec.ignore_merges, fuse_unk=False)
+    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens
+        raise ModelLoadError(f"inconsistent GGUF vocabulary/merges: {e}") from e
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _eos_token_ids(
+    declared: Iterable[int | None], chat_template: str | None, backend: tokenizers.Tokenizer
+) -> frozenset[int]:
+    """Declared EOS/EOT ids, plus the end-of-turn markers the chat template writes.
+
+    SmolLM2-Instruct: EOS is `<|im_end|>` (2) and the template ends turns with it, so {2}.
+    A ChatML model whose EOS is `<|endoftext|>` gets {EOS, id of `<|im_end|>`}.
+    """
+    ids = {i for i in declared if isinstance(i, int)}
+    for marker in _END_OF_TURN_MARKERS:
+        token_id = backend.token_to_id(marker)
+        if chat_template and marker in chat_template and token_id is not None:
+            ids.add(token_id)
+    return frozenset(ids)
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+
+
+def _token_content(token: str | Mapping[str, Any] | None) -> str | None:
+    """A special token as tokenizer_config.json gives it: a string or an AddedToken dict."""
+    if isinstance(token, Mapping):
+        return token.get("content")
+    return token
+
+
+class _TemplateRaised(jinja2.TemplateError):
+    """Raised by the template's own `raise_exception(...)`: the conversation is invalid."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _tojson(
+    value: Any, indent: int | None = None, separators: tuple[str, str] | None = None, sort_keys: bool = False
+) -> str:
+    """`tojson` as chat templates expect it: no HTML escaping, non-ASCII kept."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    """Today's date for templates that print it (Llama 3.1: "Today Date: 26 Jul 2024")."""
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelLoadError(f"the chat template does not compile: {e}") from e

@@ -1,0 +1,52 @@
+"""Per-request sampling parameters, validated once at the boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from verifier.errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen and when it stops.
+
+    `temperature == 0` means greedy (argmax). `top_k <= 0` and `top_p == 1` disable those
+    filters. `seed` makes sampling reproducible for this request alone. `stop` strings end
+    the output before the stop string (it is not included); EOS ends it unless
+    `ignore_eos`.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        """Raise `InvalidRequestError` naming the first bad field; return self."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidRequestError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise InvalidRequestError("temperature", f"must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise InvalidRequestError("top_k", f"must be an integer, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")
+        return self

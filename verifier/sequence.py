@@ -1,0 +1,105 @@
+"""Per-request state inside the engine, and what the engine reports back."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import time
+
+import numpy as np
+import torch
+
+from verifier.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens (or the context) reached
+    ABORT = "abort"  # the client went away
+
+
+@dataclasses.dataclass
+class SequenceStats:
+    """Speculation figures for one request (glossary in DESIGN.md).
+
+    `rounds` counts verifier passes after prefill; `rounds_with_drafts` those that
+    verified at least one draft token. Mean acceptance length includes the bonus or
+    recovered token: 1 + accepted / rounds_with_drafts (1.0 when nothing was drafted).
+    """
+
+    rounds: int = 0
+    rounds_with_drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    num_output_tokens: int = 0
+    prefill_s: float = 0.0
+    elapsed_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted / self.rounds_with_drafts if self.rounds_with_drafts else 1.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "rounds_with_drafts": self.rounds_with_drafts,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "num_output_tokens": self.num_output_tokens,
+            "tokens_per_second": round(self.tokens_per_second, 2),
+        }
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One streamed event: the tokens and text a round added for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stats: SequenceStats | None = None  # set on the final event
+
+
+@dataclasses.dataclass
+class Sequence:
+    """A request being served. The KV slot holds every context token but the last."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_k: int | None
+    generator: torch.Generator
+    detokenizer: object | None
+    outputs: asyncio.Queue
+    arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    # How many leading context tokens the proposer holds for this sequence (delta contract).
+    proposer_synced_len: int = 0
+    stats: SequenceStats = dataclasses.field(default_factory=SequenceStats)
+    finish_reason: FinishReason | None = None
+    aborted: bool = False
+
+    @property
+    def num_context_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def context_slice(self, start: int) -> np.ndarray:
+        """int32 [num_context_tokens - start]: context tokens from `start` on."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return np.asarray(self.output_token_ids[start - p :], dtype=np.int32)
+        return np.asarray(self.prompt_token_ids[start:] + self.output_token_ids, dtype=np.int32)
