@@ -10,7 +10,7 @@ import pathlib
 import sys
 import time
 
-from verifier.errors import SplitspecError
+from verifier.errors import InvalidRequestError, SplitspecError
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_text = pathlib.Path(args.prompt_file).read_text()
     else:
         prompt_text = args.prompt
+    if not prompt_text:
+        raise InvalidRequestError("prompt", "must not be empty")
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -45,7 +47,7 @@ def _generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
     ).validate()
     if args.k < 0:
-        raise SystemExit("error: --k must be >= 0")
+        raise InvalidRequestError("k", f"must be >= 0, got {args.k}")
     engine = build_local_engine(LocalEngineSpec(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
         k=args.k, max_num_seqs=1, max_model_len=args.max_model_len,

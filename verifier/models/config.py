@@ -25,6 +25,8 @@ class RopeScaling:
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: explicit cos/sin scale
+    truncate: bool = True  # yarn: round the correction range to whole dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +58,17 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from an HF `config.json` dict (model_type llama or qwen2)."""
         arch = cfg.get("model_type", "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(f"unsupported model_type {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ModelLoadError(f"config.json lacks {missing}")
         num_heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        unsupported = sorted({"mscale", "mscale_all_dim", "short_factor", "long_factor"} & rope.keys())
+        if unsupported:
+            raise ModelLoadError(f"unsupported RoPE parameters {unsupported} in {rope}")
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         scaling = RopeScaling(
@@ -68,6 +79,8 @@ class ModelConfig:
             high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             beta_fast=float(rope.get("beta_fast", 32.0)),
             beta_slow=float(rope.get("beta_slow", 1.0)),
+            attention_factor=rope.get("attention_factor"),
+            truncate=bool(rope.get("truncate", True)),
         )
         return cls(
             architecture=arch,
@@ -105,11 +118,12 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
     if s.kind == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
         # between low_freq_wavelen and high_freq_wavelen is interpolated smoothly.
-        low_freq_wavelen = s.original_max_position / s.low_freq_factor
-        high_freq_wavelen = s.original_max_position / s.high_freq_factor
+        orig = s.original_max_position or config.max_position
+        low_freq_wavelen = orig / s.low_freq_factor
+        high_freq_wavelen = orig / s.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+        smooth = (orig / wavelen - s.low_freq_factor) / (
             s.high_freq_factor - s.low_freq_factor
         )
         smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
@@ -123,8 +137,10 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
         def correction_dim(num_rotations: float) -> float:
             return (dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(config.rope_theta))
 
-        low = max(math.floor(correction_dim(s.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+        low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+        if s.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
         extrapolation = 1 - ramp.clamp(0, 1)
         return (inv_freq / s.factor) * (1 - extrapolation) + inv_freq * extrapolation
@@ -132,8 +148,10 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
 
 
 def rope_attention_scaling(config: ModelConfig) -> float:
-    """YaRN scales cos/sin by 0.1 ln(factor) + 1; every other variant by 1."""
+    """YaRN scales cos/sin by `attention_factor` or 0.1 ln(factor) + 1; others by 1."""
     s = config.rope_scaling
+    if s.kind == "yarn" and s.attention_factor is not None:
+        return float(s.attention_factor)
     if s.kind == "yarn" and s.factor > 1:
         return 0.1 * math.log(s.factor) + 1.0
     return 1.0

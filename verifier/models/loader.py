@@ -59,6 +59,8 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str | torch.dtype 
     """Load the bundled model (path None), a `.gguf` file, or an HF checkpoint directory."""
     from verifier.models.bundled import bundled_model_path
 
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     p = pathlib.Path(path) if path is not None else bundled_model_path()
     if p.is_dir():

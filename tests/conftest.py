@@ -1,0 +1,50 @@
+"""Session-wide fixtures: the real bundled model, its tokenizer, and the HF reference.
+
+Loading costs ~10 s (ours) and ~35 s (HF transformers' GGUF loader), so each is loaded
+once per test session.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def model():
+    """The bundled SmolLM2-135M-Instruct in float32 (exactness tests run in fp32)."""
+    from verifier.models.loader import load_model
+
+    return load_model(None, "float32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from cluster.local import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """HF transformers' own Llama implementation on the same GGUF (independent reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verifier.models.bundled import bundled_model_path
+
+    path = bundled_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def exactness_prompts(tokenizer):
+    """20 varied prompts, 36-132 tokens: 7 code edits, 6 summaries, 7 chats (the first of
+    each workload file; 20 keeps the exactness suite at a few minutes on 2 cores)."""
+    from cluster.workloads import load_prompts
+
+    return [p for w, n in (("code_edit", 7), ("summarize", 6), ("chat", 7)) for p in load_prompts(w, tokenizer)[:n]]

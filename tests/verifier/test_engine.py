@@ -1,0 +1,244 @@
+"""Engine behaviour on the real model: validation, stop rules, abort, overload, fail-open."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from cluster.workloads import load_prompts
+from proposers.ngram import NgramProposer
+from verifier.engine import Engine, EngineConfig
+from verifier.errors import InvalidRequestError, OverloadedError
+from verifier.policy import OffPolicy, StaticPolicy
+from verifier.sampling_params import SamplingParams
+from verifier.sequence import FinishReason
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(tokenizer):
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+
+
+@pytest.fixture(scope="module")
+def code_prompt(tokenizer):
+    """"Add type hints ... reply with the full code": the answer quotes the prompt."""
+    return load_prompts("code_edit", tokenizer)[0]
+
+
+@pytest.fixture(scope="module")
+def plain(model, tokenizer):
+    return Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=256), None, OffPolicy())
+
+
+def _first(engine, prompt, params, **kw):
+    return engine.generate_sync([prompt], params, **kw)[0]
+
+
+@pytest.mark.parametrize(
+    "prompt_len, params, field",
+    [
+        (0, GREEDY, "prompt"),
+        (256, GREEDY, "prompt"),  # the context holds 256 tokens: no room for any output
+        (250, SamplingParams(max_tokens=10), "max_tokens"),  # 250 + 10 > 256
+        (5, SamplingParams(max_tokens=0), "max_tokens"),
+        (5, SamplingParams(temperature=-0.5), "temperature"),
+        (5, SamplingParams(top_p=0.0), "top_p"),
+        (5, SamplingParams(stop=("",)), "stop"),
+    ],
+)
+def test_bad_input_names_the_field(plain, prompt_len, params, field):
+    with pytest.raises(InvalidRequestError) as info:
+        _first(plain, [100] * prompt_len, params)
+    assert info.value.param == field
+    assert str(info.value).startswith(f"{field}: ")
+    assert plain.num_running == 0 and plain.num_waiting == 0 and plain.cache.num_used_slots == 0
+
+
+def test_token_id_outside_vocabulary_is_rejected(plain, model):
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        _first(plain, [1, model.config.vocab_size], GREEDY)
+
+
+def test_eos_ends_the_output(plain, chat_prompt, tokenizer):
+    r = _first(plain, chat_prompt, SamplingParams(max_tokens=40, temperature=0.0))
+    assert r.finish_reason == FinishReason.STOP
+    assert r.token_ids[-1] in tokenizer.eos_token_ids
+    assert len(r.token_ids) < 40
+    assert "Paris" in r.text and "<|im_end|>" not in r.text
+    assert r.text == tokenizer.decode(r.token_ids[:-1])
+
+
+def test_max_tokens_and_stop_strings(plain, code_prompt, tokenizer):
+    full = _first(plain, code_prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert full.finish_reason == FinishReason.LENGTH and len(full.token_ids) == 20
+    assert full.stats.num_output_tokens == 20
+    # Stop on a string that the greedy output contains: everything before it, nothing after.
+    text = full.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop and text.index(stop) > 0
+    r = _first(plain, code_prompt, SamplingParams(max_tokens=20, temperature=0.0, stop=(stop,), ignore_eos=True))
+    assert r.finish_reason == FinishReason.STOP
+    assert r.text == text[: text.index(stop)]
+    assert r.token_ids == full.token_ids[: len(r.token_ids)] and len(r.token_ids) < 20
+
+
+def test_max_tokens_one_finishes_after_prefill(plain, code_prompt):
+    r = _first(plain, code_prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    assert len(r.token_ids) == 1 and r.finish_reason == FinishReason.LENGTH and r.stats.rounds == 0
+
+
+def test_client_abort_frees_kv_and_proposer_state(model, tokenizer, code_prompt):
+    proposer = NgramProposer()
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), proposer, StaticPolicy(4))
+
+    async def consume_two_events_then_leave():
+        stream = engine.generate(code_prompt, SamplingParams(max_tokens=200, temperature=0.0))
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 2:
+                break
+        await stream.aclose()
+        assert engine.num_running == 1  # not reaped until the loop runs again
+        for _ in range(100):
+            if engine.num_running == 0:
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(consume_two_events_then_leave())
+    assert engine.num_running == 0 and engine.cache.num_used_slots == 0
+    assert proposer.num_sequences == 0
+
+
+def test_overload_is_refused_not_queued_forever(model, tokenizer, code_prompt):
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512, max_waiting=1), None)
+
+    async def run():
+        first = engine.generate(code_prompt, SamplingParams(max_tokens=30, temperature=0.0))
+        second = engine.generate(code_prompt, SamplingParams(max_tokens=2, temperature=0.0))
+        await first.__anext__()  # first is running
+        await asyncio.sleep(0)
+        waiting = asyncio.ensure_future(second.__anext__())  # second waits for the slot
+        await asyncio.sleep(0)
+        third = engine.generate(code_prompt, SamplingParams(max_tokens=2, temperature=0.0))
+        with pytest.raises(OverloadedError):
+            await third.__anext__()
+        await first.aclose()
+        assert (await waiting).token_ids  # the waiting request was not lost
+        async for _ in second:
+            pass
+
+    asyncio.run(run())
+    assert engine.cache.num_used_slots == 0
+
+
+class _FailingProposer:
+    method = "failing"
+
+    def __init__(self):
+        self.calls = 0
+
+    async def propose(self, requests):
+        self.calls += 1
+        raise RuntimeError("proposer replica went away")
+
+    def release(self, seq_ids):
+        pass
+
+
+class _ForgetfulProposer(NgramProposer):
+    """An n-gram proposer that loses its state every third call (a restarted replica)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def propose_sync(self, requests):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            self.release([r.seq_id for r in requests])
+        return super().propose_sync(requests)
+
+
+def test_failed_proposer_fails_open(model, tokenizer, code_prompt, plain):
+    expected = _first(plain, code_prompt, GREEDY).token_ids
+    proposer = _FailingProposer()
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), proposer, StaticPolicy(4))
+    r = _first(engine, code_prompt, GREEDY)
+    assert r.token_ids == expected
+    assert proposer.calls > 0 and engine.stats.num_proposer_failures == proposer.calls
+    assert r.stats.drafted == 0
+
+
+def test_resync_recovers_exactly(model, tokenizer, code_prompt, plain):
+    expected = _first(plain, code_prompt, GREEDY).token_ids
+    proposer = _ForgetfulProposer()
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), proposer, StaticPolicy(4))
+    r = _first(engine, code_prompt, GREEDY)
+    assert r.token_ids == expected
+    assert engine.stats.num_resyncs > 0 and r.stats.accepted > 0
+
+
+class _FlippingPolicy:
+    """k drawn at random per sequence per round, 0 included (what the controller may do)."""
+
+    name = "flipping"
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def plan(self, seqs):
+        return [self.rng.choice([0, 1, 3, 8]) for _ in seqs]
+
+
+def test_k_changing_every_round_stays_exact(model, tokenizer, code_prompt, chat_prompt, plain):
+    prompts = [code_prompt, chat_prompt, code_prompt[:40]]
+    expected = [r.token_ids for r in plain.generate_sync(prompts, GREEDY)]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512), NgramProposer(),
+                    _FlippingPolicy(seed=7))
+    assert [r.token_ids for r in engine.generate_sync(prompts, GREEDY)] == expected
+    assert engine.stats.num_accepted > 0
+
+
+def test_request_max_k_caps_speculation(model, tokenizer, code_prompt):
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), NgramProposer(),
+                    StaticPolicy(8))
+    capped = engine.generate_sync([code_prompt], GREEDY, max_k=2)[0]
+    assert capped.stats.rounds_with_drafts > 0 and capped.stats.drafted <= 2 * capped.stats.rounds_with_drafts
+    off = engine.generate_sync([code_prompt], GREEDY, max_k=0)[0]
+    assert off.stats.drafted == 0 and off.token_ids == capped.token_ids
+
+
+def test_seeded_sampling_is_reproducible(model, tokenizer, code_prompt):
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), NgramProposer(),
+                    StaticPolicy(4))
+    p = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1234)
+    a, b = engine.generate_sync([code_prompt, code_prompt], p)
+    assert a.token_ids == b.token_ids  # same seed, same output, even batched together
+    c = _first(engine, code_prompt, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=99))
+    assert c.token_ids != a.token_ids
+    assert np.all(np.asarray(a.token_ids) < model.config.vocab_size)
+
+
+def test_streaming_events_add_up(model, tokenizer, code_prompt, plain):
+    expected = _first(plain, code_prompt, GREEDY)
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), NgramProposer(),
+                    StaticPolicy(4))
+
+    async def collect():
+        events = [out async for out in engine.generate(code_prompt, GREEDY)]
+        return events
+
+    events = asyncio.run(collect())
+    assert [t for e in events for t in e.token_ids] == expected.token_ids
+    assert "".join(e.text for e in events) == expected.text
+    assert events[-1].finished and not any(e.finished for e in events[:-1])
+    # Rounds that accepted drafts emit several tokens in one event.
+    assert max(len(e.token_ids) for e in events) > 1
+    s = events[-1].stats
+    assert s.mean_acceptance_length == pytest.approx(1 + s.accepted / s.rounds_with_drafts)

@@ -1,0 +1,467 @@
+"""LlamaModel and load_model against transformers' own implementations.
+
+Independent references:
+- `hf_model`: transformers' LlamaForCausalLM on the same bundled GGUF (its own GGUF
+  dequantiser and Q/K un-permutation), fp32;
+- tiny seeded Qwen2 / Llama models that transformers builds, saves with save_pretrained
+  and runs itself, one per RoPE variant;
+- transformers' RoPE init functions (`ROPE_INIT_FUNCTIONS`) for `rope_inv_freq`.
+Batch invariance (ragged batches, chunked prefill, decode steps) is checked against the
+same model run one sequence / one pass at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from verifier.errors import ModelLoadError
+from verifier.models.config import ModelConfig, RopeScaling, rope_attention_scaling, rope_inv_freq
+from verifier.models.llama import LlamaModel
+from verifier.models.loader import load_model
+
+# fp32 logits of the bundled model vs HF on the same GGUF: measured max abs error 3e-5 to
+# 7e-5 on logits of magnitude 30-38 (relative ~2e-6: fp32 summation order differs between
+# our fused wqkv / w_gate_up GEMMs and HF's separate Linear layers over 30 layers). 1e-3
+# leaves ~15x headroom, yet is ~10x below the smallest top-1/top-2 logit gap seen on these
+# prompts (0.012), and any real fault (wrong RoPE layout, position or mask) moves logits by
+# O(1).
+HF_LOGITS_ATOL = 1e-3
+# Our model against itself with different batch shapes: only the GEMM row count (and so
+# MKL's blocking and summation order) changes; measured max abs differences are 3e-5 to
+# 5e-5. 5e-4 allows for other CPUs' blocking and is still 20x below the smallest top-2
+# gap, while reading a wrong cache position or mask changes logits by O(1).
+BATCH_ATOL = 5e-4
+# Tiny fp32 models (2 layers, logits ~7): measured max abs error 7e-6 to 8e-6, while
+# dropping the variant's RoPE scaling (or Qwen2's theta) changes logits by ~8.
+TINY_ATOL = 1e-4
+# bfloat16 keeps 8 significant bits (relative step 2^-8 = 0.4%), so with logits up to ~37
+# and 30 bf16 layers the measured max abs diff against fp32 is 0.9-1.2 and greedy argmax
+# agrees on 108 of 110 positions (98%). The bounds leave ~2.5x headroom on the diff and
+# allow up to 10% argmax flips, where near-ties (gaps down to 0.01 here) can flip.
+BF16_MAX_ABS_DIFF = 3.0
+BF16_MIN_ARGMAX_AGREEMENT = 0.90
+
+PLAIN_TEXTS = {
+    "greeting": "Hello, world!",
+    "code": "The quick brown fox jumps over the lazy dog. " * 6 + "def f(x):\n    return x * 2\n",
+}
+CHAT_MESSAGES = [{"role": "user", "content": "Write a haiku about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> dict[str, list[int]]:
+    """Token ids of three prompts: greeting (4 tokens), code (72), chat template (38)."""
+    texts = dict(PLAIN_TEXTS, chat=tokenizer.apply_chat_template(CHAT_MESSAGES))
+    return {name: tokenizer.encode(text) for name, text in texts.items()}
+
+
+def ids_tensor(token_ids: list[int]) -> torch.Tensor:
+    return torch.tensor(token_ids, dtype=torch.int32)  # [T] int32, as on the wire
+
+
+def prefill(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
+    """Logits float32 [len(token_ids), vocab] of one sequence prefilled in one pass."""
+    cache = model.new_cache(num_slots=1, max_len=len(token_ids))
+    slot = cache.allocate()
+    return model.forward(ids_tensor(token_ids), [slot], [len(token_ids)], cache)
+
+
+@torch.no_grad()
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """HF reference logits float32 [len(token_ids), vocab]."""
+    return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, f"{a.shape=} {b.shape=}"
+    return (a - b).abs().max().item()
+
+
+# --- 1. the bundled model against HF on the same GGUF ---------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["greeting", "code", "chat"])
+def test_logits_match_hf_on_bundled_gguf(model, hf_model, prompts, name):
+    token_ids = prompts[name]
+    ours, ref = prefill(model, token_ids), hf_logits(hf_model, token_ids)
+    assert ours.dtype == torch.float32 and ours.shape == (len(token_ids), model.config.vocab_size)
+    err = max_abs(ours, ref)
+    assert err < HF_LOGITS_ATOL, f"{name}: {err=} over {len(token_ids)} positions"
+    mismatched = (ours.argmax(-1) != ref.argmax(-1)).nonzero().flatten().tolist()
+    assert not mismatched, f"{name}: greedy argmax differs at positions {mismatched}"
+
+
+# --- 2. batch invariance ----------------------------------------------------------------
+
+
+def test_ragged_batch_matches_each_sequence_alone(model, prompts):
+    """One pass mixing the three attention paths: a prefill from position 0 (causal), a
+    3-token continuation after a 40-token prefix (explicit mask) and a 1-token decode step
+    after a 3-token prefix, against each run alone; then the same pass with logits_index
+    picking only each sequence's last row."""
+    chat, code, greeting = prompts["chat"], prompts["code"], prompts["greeting"]
+    # (prefix already in the cache, tokens of the ragged pass)
+    seqs = [([], chat), (code[:40], code[40:43]), (greeting[:3], greeting[3:4])]
+
+    alone = []
+    for prefix, new in seqs:
+        cache = model.new_cache(num_slots=1, max_len=64)
+        slot = cache.allocate()
+        if prefix:
+            model.forward(ids_tensor(prefix), [slot], [len(prefix)], cache)
+        alone.append(model.forward(ids_tensor(new), [slot], [len(new)], cache))
+
+    cache = model.new_cache(num_slots=3, max_len=64)
+    slots = [cache.allocate() for _ in seqs]
+    for slot, (prefix, _) in zip(slots, seqs):
+        if prefix:
+            model.forward(ids_tensor(prefix), [slot], [len(prefix)], cache)
+    token_ids = ids_tensor([t for _, new in seqs for t in new])
+    num_tokens = [len(new) for _, new in seqs]
+    batched = model.forward(token_ids, slots, num_tokens, cache)
+    assert cache.lens == [len(p) + len(n) for p, n in seqs]
+    err = max_abs(batched, torch.cat(alone))
+    assert err < BATCH_ATOL, f"ragged {num_tokens=}: {err=}"
+
+    for slot, (prefix, _) in zip(slots, seqs):
+        cache.rollback(slot, len(prefix))
+    last_rows = torch.tensor(num_tokens).cumsum(0) - 1  # int64 [3]: 37, 40, 41
+    picked = model.forward(token_ids, slots, num_tokens, cache, logits_index=last_rows)
+    err = max_abs(picked, torch.stack([a[-1] for a in alone]))
+    assert err < BATCH_ATOL, f"logits_index {last_rows.tolist()}: {err=}"
+
+
+def test_chunked_prefill_matches_one_shot(model, prompts):
+    """Chunks [0:20] (causal from 0), [20:21] (decode path) and [21:72] (masked)."""
+    token_ids = prompts["code"]
+    one_shot = prefill(model, token_ids)
+    cache = model.new_cache(num_slots=1, max_len=len(token_ids))
+    slot = cache.allocate()
+    chunks = [token_ids[:20], token_ids[20:21], token_ids[21:]]
+    chunked = torch.cat([model.forward(ids_tensor(c), [slot], [len(c)], cache) for c in chunks])
+    assert cache.lens[slot] == len(token_ids)
+    err = max_abs(chunked, one_shot)
+    assert err < BATCH_ATOL, f"{err=}"
+
+
+def test_decode_steps_match_one_five_token_pass(model, prompts):
+    """A verification pass of 5 tokens (padded to MIN_GEMM_ROWS) equals 5 one-token decode
+    steps (unpadded), row for row."""
+    token_ids = prompts["chat"]
+    prefix, tail = token_ids[:-5], token_ids[-5:]
+    cache = model.new_cache(num_slots=2, max_len=len(token_ids))
+    s_pass, s_steps = cache.allocate(), cache.allocate()
+    for slot in (s_pass, s_steps):
+        model.forward(ids_tensor(prefix), [slot], [len(prefix)], cache)
+    five = model.forward(ids_tensor(tail), [s_pass], [5], cache)
+    steps = torch.cat([model.forward(ids_tensor([t]), [s_steps], [1], cache) for t in tail])
+    assert cache.lens[s_pass] == cache.lens[s_steps] == len(token_ids)
+    err = max_abs(five, steps)
+    assert err < BATCH_ATOL, f"{err=}"
+    assert torch.equal(five.argmax(-1), steps.argmax(-1))
+
+
+# --- 3. the HF checkpoint-directory path on the same weights ---------------------------
+
+
+@pytest.mark.slow
+def test_safetensors_dir_loads_the_same_model_as_gguf(model, hf_model, prompts, tmp_path):
+    """Save HF's own dequantised, un-permuted weights as a checkpoint directory: our
+    directory loader must give the GGUF loader's weights bit for bit (so our GGUF Q/K
+    un-permutation agrees with HF's) and the same logits."""
+    state = hf_model.state_dict()
+    assert hf_model.config.tie_word_embeddings
+    # Tied: lm_head.weight shares storage with the embedding, which safetensors refuses to
+    # save twice; HF checkpoints of tied models store the embedding only.
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    del state["lm_head.weight"]
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(hf_model.config.to_json_string())
+
+    loaded = load_model(tmp_path, "float32")
+    c, ref_c = loaded.config, model.config
+    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta) == (
+        ref_c.architecture, ref_c.num_layers, ref_c.num_heads, ref_c.num_kv_heads, ref_c.head_dim, ref_c.rope_theta
+    )
+    assert loaded.lm_head is loaded.embed
+    for i, (a, b) in enumerate(zip(loaded.layers, model.layers)):
+        assert torch.equal(a.wqkv, b.wqkv), f"layer {i}: q/k/v weights differ"
+    assert torch.equal(loaded.embed, model.embed)
+    token_ids = prompts["chat"]
+    # Same weights, same config values, same code: bit-identical logits (measured: 0).
+    assert torch.equal(prefill(loaded, token_ids), prefill(model, token_ids))
+
+
+# --- 4. tiny transformers-built models of other variants --------------------------------
+
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=512,
+    # 10x HF's default 0.02: with std 0.02 attention is nearly uniform (logits ~0.6), and
+    # dropping RoPE scaling moves logits by only 4e-3; at 0.2 it moves them by ~8.
+    initializer_range=0.2,
+)
+# transformers 5 writes RoPE settings to config.json as `rope_parameters` (rope_theta
+# inside it), not as the v4 `rope_scaling` + top-level `rope_theta`.
+TINY_VARIANTS = {
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "tie_word_embeddings": False},
+    ),
+    "llama3": (
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "linear-tied": (
+        "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, "tie_word_embeddings": True},
+    ),
+    "yarn": (
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,  # = max_position_embeddings / original_max_position_embeddings
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+}
+TINY_SEQ_LEN = 100  # past original_max_position_embeddings (64), where scaling matters most
+
+
+def build_tiny(class_name: str, overrides: dict, seed: int = 0):
+    """A seeded random transformers model; attention biases (zero at HF init) randomised."""
+    model_class = getattr(transformers, class_name)
+    config = model_class.config_class(**TINY_SHAPE, **overrides)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        hf = model_class(config).eval()
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, TINY_SHAPE["initializer_range"])
+    return hf
+
+
+@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
+def test_tiny_checkpoint_matches_hf(variant, tmp_path):
+    class_name, overrides = TINY_VARIANTS[variant]
+    hf = build_tiny(class_name, overrides)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours = load_model(tmp_path, "float32")
+
+    rope = overrides["rope_parameters"]
+    c = ours.config
+    assert c.architecture == hf.config.model_type
+    assert (c.rope_theta, c.rope_scaling.kind) == (rope["rope_theta"], rope["rope_type"])
+    assert c.rope_scaling.factor == rope.get("factor", 1.0)
+    assert c.rope_scaling.original_max_position == rope.get("original_max_position_embeddings", 0)
+    assert (ours.layers[0].bqkv is not None) == (variant == "qwen2")
+    assert (ours.lm_head is ours.embed) == hf.config.tie_word_embeddings
+
+    token_ids = torch.randint(0, TINY_SHAPE["vocab_size"], (TINY_SEQ_LEN,), generator=torch.Generator().manual_seed(1))
+    logits = prefill(ours, token_ids.tolist())
+    ref = hf_logits(hf, token_ids.tolist())
+    err = max_abs(logits, ref)
+    assert err < TINY_ATOL, f"{variant}: {err=}"
+
+    # The comparison can see RoPE: plain RoPE at theta 1e4 on the same weights is far off.
+    plain = dataclasses.replace(c, rope_theta=10000.0, rope_scaling=RopeScaling())
+    unscaled = LlamaModel(plain, ours.embed, ours.layers, ours.final_norm, ours.lm_head, ours.dtype)
+    assert max_abs(prefill(unscaled, token_ids.tolist()), ref) > 100 * TINY_ATOL
+
+
+# --- 5. bfloat16 -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bfloat16_tracks_float32(model, prompts):
+    bf16 = load_model(None, "bfloat16")
+    assert bf16.embed.dtype == bf16.layers[0].wqkv.dtype == torch.bfloat16
+    diffs, agree, total = [], 0, 0
+    for name in ("code", "chat"):  # 110 positions
+        got, ref = prefill(bf16, prompts[name]), prefill(model, prompts[name])
+        assert got.dtype == torch.float32
+        diffs.append(max_abs(got, ref))
+        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(prompts[name])
+    assert max(diffs) < BF16_MAX_ABS_DIFF, f"{diffs=}"
+    assert agree / total >= BF16_MIN_ARGMAX_AGREEMENT, f"argmax agrees on {agree}/{total} positions"
+
+
+# --- 6. RoPE frequencies against transformers ---------------------------------------------
+
+ROPE_CONFIGS = {
+    # Llama 3.1 8B's published RoPE settings.
+    "llama3-8b": (
+        "LlamaConfig",
+        dict(
+            hidden_size=4096,
+            num_attention_heads=32,
+            max_position_embeddings=131072,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
+    "llama3-head64": (
+        "LlamaConfig",
+        dict(
+            hidden_size=2048,
+            num_attention_heads=32,
+            max_position_embeddings=32768,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
+    "linear": (
+        "LlamaConfig",
+        dict(
+            hidden_size=2048,
+            num_attention_heads=16,
+            max_position_embeddings=16384,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        ),
+    ),
+    # Qwen2.5-7B-Instruct's documented long-context setting.
+    "yarn-qwen2.5": (
+        "Qwen2Config",
+        dict(
+            hidden_size=3584,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=131072,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1000000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32768,
+            },
+        ),
+    ),
+    "yarn-betas": (
+        "LlamaConfig",
+        dict(
+            hidden_size=1024,
+            num_attention_heads=16,
+            max_position_embeddings=16384,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 2048,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+            },
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_CONFIGS))
+def test_rope_inv_freq_matches_transformers(name):
+    config_class, kwargs = ROPE_CONFIGS[name]
+    hf_config = getattr(transformers, config_class)(**kwargs)
+    ref_inv_freq, ref_attention_factor = ROPE_INIT_FUNCTIONS[kwargs["rope_parameters"]["rope_type"]](hf_config, "cpu")
+    ours = ModelConfig.from_hf(hf_config.to_dict())  # through the config.json path
+    inv_freq = rope_inv_freq(ours)
+    assert inv_freq.dtype == torch.float32 and inv_freq.shape == (ours.head_dim // 2,)
+    torch.testing.assert_close(inv_freq, ref_inv_freq, rtol=1e-6, atol=0.0)
+    assert rope_attention_scaling(ours) == pytest.approx(ref_attention_factor, rel=1e-9)
+    # Scaling did change the frequencies (the default would fail the comparison above).
+    assert not torch.allclose(inv_freq, rope_inv_freq(dataclasses.replace(ours, rope_scaling=RopeScaling())))
+
+
+# --- 7. loader errors ------------------------------------------------------------------
+
+
+def write_config(directory: pathlib.Path, config: dict) -> None:
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def tiny_llama_config() -> dict:
+    return transformers.LlamaConfig(**TINY_SHAPE).to_dict()
+
+
+def test_load_dir_without_config_json(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_load_unsupported_architecture(tmp_path):
+    # A Llama-shaped config (every key our parser reads) of an architecture we do not run.
+    config = transformers.MistralConfig(**TINY_SHAPE).to_dict()
+    write_config(tmp_path, config)
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'mistral'"):
+        load_model(tmp_path)
+
+
+def test_load_non_llama_config_names_the_architecture(tmp_path):
+    write_config(tmp_path, transformers.GPT2Config().to_dict())
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt2'"):
+        load_model(tmp_path)
+
+
+def test_unknown_dtype_is_a_clear_error():
+    with pytest.raises(ModelLoadError, match="unsupported dtype 'fp8'"):
+        load_model(None, "fp8")
+
+
+def test_load_dir_without_weights(tmp_path):
+    write_config(tmp_path, tiny_llama_config())
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors files"):
+        load_model(tmp_path)
+
+
+def test_load_dir_with_a_missing_tensor(tmp_path):
+    hf = build_tiny("LlamaForCausalLM", {})
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "model.layers.1.mlp.down_proj.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    write_config(tmp_path, hf.config.to_dict())
+    with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.1.mlp.down_proj.weight'"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["model.bin", "absent.gguf", "absent-dir"])
+def test_load_path_neither_gguf_nor_dir(tmp_path, name):
+    path = tmp_path / name
+    if name == "model.bin":
+        path.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match="neither a .gguf file nor a checkpoint directory"):
+        load_model(path)
