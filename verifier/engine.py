@@ -232,7 +232,7 @@ class Engine:
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
         detok = None
         if self.tokenizer is not None:
-            from verifier.models.tokenizer import IncrementalDetokenizer
+            from verifier.models.detokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         return Sequence(
@@ -266,11 +266,10 @@ class Engine:
             try:
                 await self.step()
             except Exception as exc:  # a bug in a step must not hang every client
-                logger.exception("engine step failed; failing the running requests")
+                logger.exception("engine step failed; failing the running and waiting requests")
                 for seq in self._waiting + self._running:
                     seq.outputs.put_nowait(exc)
                 self._fail_all()
-                raise
 
     def _reap_aborted(self) -> None:
         for seq in [s for s in self._running if s.aborted]:
@@ -284,16 +283,17 @@ class Engine:
 
     async def step(self) -> None:
         """One verifier pass over every running sequence (plus newly admitted prompts)."""
+        running = list(self._running)
         admitted = []
         while self._waiting and self.cache.num_free_slots:
             seq = self._waiting.pop(0)
             seq.slot = self.cache.allocate()
             admitted.append(seq)
-        running = list(self._running)
+        # Running from now on, so that a failing step reaches their clients too.
+        self._running.extend(admitted)
         works = [_Work(s, list(s.prompt_token_ids), np.zeros(0, np.int32), None) for s in admitted]
         works += await self._plan_and_propose(running)
         await asyncio.to_thread(self._execute, works)
-        self._running.extend(admitted)
         self.stats.num_steps += 1
         for work in works:
             self._commit(work)

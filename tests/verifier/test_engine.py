@@ -242,3 +242,20 @@ def test_streaming_events_add_up(model, tokenizer, code_prompt, plain):
     assert max(len(e.token_ids) for e in events) > 1
     s = events[-1].stats
     assert s.mean_acceptance_length == pytest.approx(1 + s.accepted / s.rounds_with_drafts)
+
+
+class _BrokenPolicy:
+    """A policy with a bug: the step fails; every client must hear about it, none may hang."""
+
+    name = "broken"
+
+    def plan(self, seqs):
+        raise RuntimeError("controller bug")
+
+
+def test_a_failing_step_fails_its_requests_and_frees_them(model, tokenizer, code_prompt, chat_prompt):
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), NgramProposer(),
+                    _BrokenPolicy())
+    with pytest.raises(RuntimeError, match="controller bug"):
+        engine.generate_sync([code_prompt, chat_prompt], GREEDY)  # the second one is still waiting
+    assert engine.num_running == 0 and engine.num_waiting == 0 and engine.cache.num_used_slots == 0

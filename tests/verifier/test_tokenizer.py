@@ -19,9 +19,11 @@ import gguf
 import pytest
 
 from verifier.errors import InvalidRequestError, ModelLoadError
+from verifier.models import detokenizer as detokenizer_module
 from verifier.models import tokenizer as tokenizer_module
 from verifier.models.bundled import bundled_model_path
-from verifier.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from verifier.models.detokenizer import IncrementalDetokenizer
+from verifier.models.tokenizer import Tokenizer
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # the reference must never reach a hub
 
@@ -403,3 +405,5 @@ def test_decode_window_is_bounded(tok: Tokenizer) -> None:
 
 def test_doctests() -> None:
     assert doctest.testmod(tokenizer_module).failed == 0
+    result = doctest.testmod(detokenizer_module)
+    assert result.failed == 0 and result.attempted > 0
