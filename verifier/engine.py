@@ -10,7 +10,7 @@ Each step (one verifier forward pass):
      roll the KV cache back past the rejected drafts, stream the text out.
 Prefill is the k = 0 case of a round whose input is the prompt, so one code path serves both.
 
-The forward pass and acceptance run in a worker thread (`asyncio.to_thread`) so the event
+The forward pass and acceptance run in a dedicated worker thread so the event
 loop keeps serving clients; everything that adds or removes sequences runs on the loop
 between steps, so the worker never races with an abort.
 """
@@ -18,6 +18,7 @@ between steps, so the worker never races with an abort.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -129,6 +130,9 @@ class Engine:
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        # One dedicated thread runs every forward pass, so torch keeps one OpenMP team
+        # instead of one per executor thread (idle teams spin on the same 2 cores).
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitspec-model")
 
     # ------------------------------------------------------------------ public API
     @property
@@ -293,7 +297,7 @@ class Engine:
         self._running.extend(admitted)
         works = [_Work(s, list(s.prompt_token_ids), np.zeros(0, np.int32), None) for s in admitted]
         works += await self._plan_and_propose(running)
-        await asyncio.to_thread(self._execute, works)
+        await asyncio.get_running_loop().run_in_executor(self._worker, self._execute, works)
         self.stats.num_steps += 1
         for work in works:
             self._commit(work)
