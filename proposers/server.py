@@ -1,0 +1,86 @@
+"""gRPC proposer server: hosts any `ProposalSource` behind `splitspec.v1.Proposer`.
+
+A thin shell: protobuf in, `ProposalRequest`s to the source, protobuf out. One Propose
+stream per verifier replica; each message is one round for a batch of sequences.
+`grpc.health.v1` reports SERVING once the server is up.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import metadata
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos.proposal import ProposalRequest, ProposalSource
+from protos.splitspec.v1 import proposer_pb2, proposer_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "splitspec.v1.Proposer"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("splitspec")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
+    def __init__(self, source: ProposalSource, max_k: int, needs_hidden_states: bool = False,
+                 tokenizer: proposer_pb2.TokenizerFingerprint | None = None) -> None:
+        self._source = source
+        self._info = proposer_pb2.InfoResponse(
+            method=source.method, max_k=max_k, needs_hidden_states=needs_hidden_states,
+            tokenizer=tokenizer, server_version=_version(),
+        )
+
+    async def Info(self, request: proposer_pb2.InfoRequest, context) -> proposer_pb2.InfoResponse:
+        return self._info
+
+    async def Propose(self, request_iterator, context):
+        async for message in request_iterator:
+            if message.released_seq_ids:
+                self._source.release(list(message.released_seq_ids))
+            requests = [
+                ProposalRequest(
+                    seq_id=s.seq_id,
+                    base_len=s.base_len,
+                    append_token_ids=np.asarray(s.append_token_ids, dtype=np.int32),
+                    k=s.k,
+                    temperature=s.temperature,
+                )
+                for s in message.sequences
+            ]
+            try:
+                proposals = await self._source.propose(requests)
+            except ValueError as exc:  # a malformed delta: answer it, keep the stream
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            drafts = []
+            for p in proposals:
+                probs = b"" if p.draft_probs is None else np.asarray(p.draft_probs, dtype="<f4").tobytes()
+                vocab = 0 if p.draft_probs is None else int(np.shape(p.draft_probs)[-1])
+                drafts.append(proposer_pb2.SequenceDraft(
+                    seq_id=p.seq_id, draft_token_ids=np.asarray(p.draft_token_ids, dtype=np.int32).tolist(),
+                    draft_probs=probs, vocab_size=vocab, resync=p.resync,
+                ))
+            yield proposer_pb2.ProposeResponse(round_id=message.round_id, sequences=drafts)
+
+
+async def start_server(servicer: ProposerServicer, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server on host:port (0 = a free port); return it and the bound port."""
+    server = grpc.aio.server()
+    proposer_pb2_grpc.add_ProposerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind a proposer server to {host}:{port}")
+    await server.start()
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    logger.info("proposer %s serving on %s:%d", servicer._info.method, host, bound)
+    return server, bound
