@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Sequence
 
 import grpc
@@ -50,7 +49,7 @@ class GrpcProposalSource:
         return await self._stub().Info(proposer_pb2.InfoRequest(), timeout=timeout_s)
 
     async def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
-        deadline = time.monotonic() + self.deadline_s
+        loop = asyncio.get_running_loop()
         self._round_id += 1
         message = proposer_pb2.ProposeRequest(
             round_id=self._round_id,
@@ -65,15 +64,17 @@ class GrpcProposalSource:
         )
         released, self._released = self._released, []
         try:
-            if self._call is None:
-                self._call = self._stub().Propose()
-            await asyncio.wait_for(self._call.write(message), deadline - time.monotonic())
-            while True:
-                response = await asyncio.wait_for(self._call.read(), deadline - time.monotonic())
-                if response is grpc.aio.EOF:
-                    raise ConnectionError("the proposer closed the stream")
-                if response.round_id == self._round_id:
-                    break
+            # asyncio.timeout, not wait_for: no extra task per await on the per-round path.
+            async with asyncio.timeout_at(loop.time() + self.deadline_s):
+                if self._call is None:
+                    self._call = self._stub().Propose()
+                await self._call.write(message)
+                while True:
+                    response = await self._call.read()
+                    if response is grpc.aio.EOF:
+                        raise ConnectionError("the proposer closed the stream")
+                    if response.round_id == self._round_id:
+                        break  # older round ids are late answers of rounds that timed out
         except (asyncio.TimeoutError, asyncio.InvalidStateError, grpc.RpcError, ConnectionError, ValueError) as exc:
             self._released = released + self._released  # not delivered: send again
             self._drop_stream()
