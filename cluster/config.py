@@ -1,0 +1,162 @@
+"""The one YAML file that describes a deployment, validated once at the boundary.
+
+The same file feeds `splitspec serve` locally and the RayService `serveConfigV2` on
+Kubernetes. Every field has a description; validation errors name the field and say what
+was given. Defaults run on a 2-core laptop with the bundled model.
+
+    model: {path: null, dtype: float32}
+    proposers:
+      - {method: ngram, replicas: 1}
+    verifier: {max_num_seqs: 8, max_model_len: 2048}
+    controller: {policy: static, k: 4}
+    api: {http_port: 8000, grpc_port: 9000}
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from verifier.errors import SplitspecError
+
+
+class ConfigError(SplitspecError):
+    """The configuration file is missing, not YAML, or fails validation."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingConfig(_Strict):
+    """Ray Serve `autoscaling_config` of one deployment (same field names as Serve)."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running (0 allows scale to zero).")
+    max_replicas: int = Field(1, ge=1, description="Most replicas the autoscaler may start.")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="Ongoing requests per replica the autoscaler aims for; lower scales up sooner.")
+    upscale_delay_s: float = Field(2.0, ge=0, description="How long load must stay high before scaling up.")
+    downscale_delay_s: float = Field(30.0, ge=0, description="How long load must stay low before scaling down.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+        return self
+
+
+class ResourcesConfig(_Strict):
+    """Resources of one replica, as Ray counts them."""
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs per replica; fractions share a core.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (the verifier's tensor-parallel size on GPUs).")
+
+
+class TargetConfig(_Strict):
+    """The target model."""
+
+    path: str | None = Field(None, description="A .gguf file or HF checkpoint directory; null = bundled SmolLM2-135M-Instruct.")
+    tokenizer: str | None = Field(None, description="Local tokenizer directory; null = from the model.")
+    name: str | None = Field(None, description="Name served in /v1/models; null = derived from the path.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="float32 is exact; bfloat16 is faster on GPUs and bf16 CPUs.")
+
+
+class ProposerConfig(_Strict):
+    """One proposer deployment."""
+
+    method: str = Field(..., description="Registered proposal method, e.g. 'ngram'.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Method options, e.g. {min_n: 2, max_n: 4} for ngram.")
+    replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
+    resources: ResourcesConfig = Field(ResourcesConfig(num_cpus=0.5), description="Per-replica resources.")
+    autoscaling: AutoscalingConfig | None = Field(None, description="Serve autoscaling; overrides replicas.")
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        from proposers.registry import PROPOSERS
+
+        if method not in PROPOSERS:
+            raise ValueError(f"unknown method {method!r}; known: {sorted(PROPOSERS)}")
+        return method
+
+
+class VerifierConfig(_Strict):
+    """The verifier deployment (runs the engine)."""
+
+    max_num_seqs: int = Field(8, ge=1, description="Sequences decoded together per replica (KV cache slots).")
+    max_model_len: int = Field(2048, ge=16, description="Context length per sequence: prompt + output tokens.")
+    max_waiting: int = Field(64, ge=0, description="Requests queued per replica before new ones get 429.")
+    proposer_deadline_ms: float = Field(100.0, gt=0, description="Per-round deadline of proposer calls; late = no drafts.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one replica spans (torch backend, GPU only).")
+    replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
+    resources: ResourcesConfig = Field(ResourcesConfig(num_cpus=1.0), description="Per-replica resources.")
+    autoscaling: AutoscalingConfig | None = Field(None, description="Serve autoscaling; overrides replicas.")
+
+    @model_validator(mode="after")
+    def _gpus_match_tp(self) -> "VerifierConfig":
+        tp, gpus = self.tensor_parallel_size, self.resources.num_gpus
+        if tp > 1 and gpus != tp:
+            raise ValueError(f"tensor_parallel_size {tp} needs resources.num_gpus == {tp}, got {gpus}")
+        return self
+
+
+class ControllerConfig(_Strict):
+    """How many draft tokens each sequence gets per round."""
+
+    policy: Literal["off", "static"] = Field("static", description="'off' never speculates; 'static' always asks for k.")
+    k: int = Field(4, ge=0, le=16, description="Draft tokens per round for 'static'.")
+
+
+class ApiConfig(_Strict):
+    """Where the service listens."""
+
+    host: str = Field("127.0.0.1", description="Bind address of the HTTP and gRPC ingress.")
+    http_port: int = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port (0 = any free port).")
+    grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC Generate port (0 = any free port).")
+
+
+class SplitspecConfig(_Strict):
+    """A whole deployment."""
+
+    model: TargetConfig = Field(TargetConfig(), description="The target model.")
+    proposers: tuple[ProposerConfig, ...] = Field(
+        (ProposerConfig(method="ngram"),), description="Proposer deployments; empty = no speculation.")
+    verifier: VerifierConfig = Field(VerifierConfig(), description="The verifier deployment.")
+    controller: ControllerConfig = Field(ControllerConfig(), description="The speculation policy.")
+    api: ApiConfig = Field(ApiConfig(), description="Ingress ports.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "SplitspecConfig":
+        methods = [p.method for p in self.proposers]
+        if len(set(methods)) != len(methods):
+            raise ValueError(f"proposers: each method may appear once, got {methods}")
+        if self.api.http_port and self.api.http_port == self.api.grpc_port:
+            raise ValueError(f"api: http_port and grpc_port must differ, both are {self.api.http_port}")
+        return self
+
+
+def load_config(path: str | pathlib.Path | None = None) -> SplitspecConfig:
+    """Read and validate a YAML config; None gives the defaults. Errors are `ConfigError`s
+    whose message lists each bad field as a dotted path, e.g. `verifier.max_num_seqs`."""
+    if path is None:
+        return SplitspecConfig()
+    p = pathlib.Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {str(p)!r}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return SplitspecConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc']) or '(top level)'}: {e['msg']} (given: {e.get('input')!r})"
+            for e in exc.errors()
+        )
+        raise ConfigError(f"{p}: {problems}") from exc

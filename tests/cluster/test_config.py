@@ -1,0 +1,81 @@
+"""The YAML config: defaults run locally, shipped examples validate, mistakes name the field."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from cluster.config import ConfigError, SplitspecConfig, load_config
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "cluster" / "configs"
+
+
+def test_defaults_serve_the_bundled_model_with_ngram():
+    c = load_config(None)
+    assert c.model.path is None and c.model.dtype == "float32"
+    assert [p.method for p in c.proposers] == ["ngram"]
+    assert c.controller.policy == "static" and c.controller.k == 4
+    assert c.api.http_port != c.api.grpc_port
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-cluster.yaml"])
+def test_shipped_examples_validate(name):
+    c = load_config(CONFIG_DIR / name)
+    assert isinstance(c, SplitspecConfig) and c.proposers
+
+
+def test_local_example_matches_what_it_says():
+    c = load_config(CONFIG_DIR / "local-cpu.yaml")
+    assert c.proposers[0].autoscaling.max_replicas == 2 and c.proposers[0].resources.num_cpus == 0.5
+    g = load_config(CONFIG_DIR / "gpu-cluster.yaml")
+    assert g.verifier.tensor_parallel_size == 2 and g.verifier.resources.num_gpus == 2
+
+
+@pytest.mark.parametrize(
+    "yaml_text, field, fragment",
+    [
+        ("verifier: {max_num_seqs: 0}", "verifier.max_num_seqs", "greater than or equal to 1"),
+        ("verifier: {max_num_seqs: eight}", "verifier.max_num_seqs", "'eight'"),
+        ("verifier: {max_num_seqz: 8}", "verifier.max_num_seqz", "Extra inputs are not permitted"),
+        ("proposers: [{method: magic}]", "proposers.0.method", "unknown method 'magic'"),
+        ("proposers: [{method: ngram, autoscaling: {min_replicas: 3, max_replicas: 2}}]",
+         "proposers.0.autoscaling", "min_replicas (3) must be <= max_replicas (2)"),
+        ("proposers: [{method: ngram}, {method: ngram}]", "(top level)", "each method may appear once"),
+        ("model: {dtype: float16}", "model.dtype", "'float16'"),
+        ("controller: {k: 40}", "controller.k", "less than or equal to 16"),
+        ("api: {http_port: 8000, grpc_port: 8000}", "(top level)", "must differ"),
+        ("verifier: {tensor_parallel_size: 2}", "verifier", "needs resources.num_gpus == 2"),
+    ],
+)
+def test_mistakes_name_the_field(tmp_path, yaml_text, field, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert f"{field}: " in message and fragment in message, message
+
+
+def test_unreadable_or_non_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("verifier: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+def test_every_field_has_a_description():
+    def walk(model_cls):
+        for name, field in model_cls.model_fields.items():
+            assert field.description, f"{model_cls.__name__}.{name} has no description"
+            ann = field.annotation
+            for sub in getattr(ann, "__args__", (ann,)):
+                if isinstance(sub, type) and hasattr(sub, "model_fields"):
+                    walk(sub)
+
+    walk(SplitspecConfig)
