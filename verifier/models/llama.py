@@ -4,8 +4,9 @@ One forward pass takes the new tokens of many sequences flattened into one row
 (`token_ids: [T]`), each sequence `i` contributing `num_tokens[i]` consecutive tokens that
 continue its KV-cache slot: prefill passes the whole prompt, a decode step 1 token, a
 verification round `[last, d1..dk]` (k + 1 tokens, k may differ per sequence and be 0).
-Linear layers run once over all T tokens; attention runs per sequence against its own
-cache slot, so no padding is ever computed.
+Linear layers run once over all T tokens (passes of 2-15 tokens padded to
+`MIN_GEMM_ROWS` rows, which is faster on CPU); attention runs per sequence against its
+own cache slot, so no sequence is padded to another's length.
 
 Weights are kept in HF layout (q/k rows ordered for `rotate_half` RoPE), fused as
 `wqkv` [(H + 2 Hkv) D, hidden] and `w_gate_up` [2 I, hidden] to halve the number of
