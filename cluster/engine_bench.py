@@ -90,12 +90,11 @@ def _run_hf(hf, prompts: list[list[int]], max_tokens: int, eos_ids) -> tuple[lis
 
 
 def run(args: argparse.Namespace) -> dict:
-    from cluster.local import load_tokenizer
+    from cluster.local import load_model_and_tokenizer
     from proposers.ngram import NgramProposer
-    from verifier.models.loader import DTYPES, load_model
+    from verifier.models.loader import DTYPES
 
-    model = load_model(args.model, args.dtype)
-    tokenizer = load_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, None, args.dtype)
     max_batch = max(args.batch)
     config = EngineConfig(max_num_seqs=max_batch, max_model_len=args.max_model_len)
     engines = {

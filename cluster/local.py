@@ -8,6 +8,7 @@ import pathlib
 from proposers.registry import build_proposer
 from verifier.engine import Engine, EngineConfig
 from verifier.models.bundled import bundled_model_path
+from verifier.models.llama import LlamaModel
 from verifier.models.loader import load_model
 from verifier.models.tokenizer import Tokenizer
 from verifier.policy import OffPolicy, StaticPolicy
@@ -29,18 +30,30 @@ class LocalEngineSpec:
     max_model_len: int = 2048
 
 
-def load_tokenizer(model: str | None, tokenizer: str | None = None) -> Tokenizer:
+def load_tokenizer(model: str | None, tokenizer: str | None = None, gguf_reader=None) -> Tokenizer:
     """The tokenizer of `model`: from `tokenizer` (a directory) if given, else from the
-    GGUF metadata or the checkpoint directory itself."""
+    GGUF metadata (read through `gguf_reader` when given) or the checkpoint directory."""
     if tokenizer is not None:
         return Tokenizer.from_dir(tokenizer)
     path = pathlib.Path(model) if model is not None else bundled_model_path()
-    return Tokenizer.from_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    if path.is_dir():
+        return Tokenizer.from_dir(path)
+    return Tokenizer.from_gguf(gguf_reader if gguf_reader is not None else path)
+
+
+def load_model_and_tokenizer(model: str | None, tokenizer: str | None, dtype: str) -> tuple[LlamaModel, Tokenizer]:
+    """Both halves of a target, parsing a GGUF file once for the two."""
+    path = pathlib.Path(model) if model is not None else bundled_model_path()
+    reader = None
+    if path.suffix == ".gguf" and path.is_file():
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+    return load_model(model, dtype, gguf_reader=reader), load_tokenizer(model, tokenizer, gguf_reader=reader)
 
 
 def build_local_engine(spec: LocalEngineSpec) -> Engine:
-    model = load_model(spec.model, spec.dtype)
-    tokenizer = load_tokenizer(spec.model, spec.tokenizer)
+    model, tokenizer = load_model_and_tokenizer(spec.model, spec.tokenizer, spec.dtype)
     config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
     if spec.speculation == OFF or spec.k == 0:
         return Engine(model, tokenizer, config, None, OffPolicy())

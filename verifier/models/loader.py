@@ -55,8 +55,13 @@ _HF_GLOBAL = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
 _GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 
 
-def load_model(path: str | pathlib.Path | None = None, dtype: str | torch.dtype = "float32") -> LlamaModel:
-    """Load the bundled model (path None), a `.gguf` file, or an HF checkpoint directory."""
+def load_model(path: str | pathlib.Path | None = None, dtype: str | torch.dtype = "float32",
+               gguf_reader=None) -> LlamaModel:
+    """Load the bundled model (path None), a `.gguf` file, or an HF checkpoint directory.
+
+    `gguf_reader`: an already open `gguf.GGUFReader` of that file, so a caller that also
+    builds the tokenizer from it parses the file once (~5 s for the bundled model).
+    """
     from verifier.models.bundled import bundled_model_path
 
     if isinstance(dtype, str) and dtype not in DTYPES:
@@ -66,7 +71,7 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str | torch.dtype 
     if p.is_dir():
         return _load_hf_dir(p, torch_dtype)
     if p.suffix == ".gguf" and p.is_file():
-        return _load_gguf(p, torch_dtype)
+        return _load_gguf(p, torch_dtype, gguf_reader)
     raise ModelLoadError(f"model path {str(p)!r} is neither a .gguf file nor a checkpoint directory")
 
 
@@ -76,10 +81,10 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: pathlib.Path, dtype: torch.dtype) -> LlamaModel:
+def _load_gguf(path: pathlib.Path, dtype: torch.dtype, reader=None) -> LlamaModel:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = reader if reader is not None else gguf.GGUFReader(str(path))
     fields = {name: f for name, f in reader.fields.items()}
 
     def meta(key: str, default=None):
