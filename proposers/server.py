@@ -33,13 +33,13 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
     def __init__(self, source: ProposalSource, max_k: int, needs_hidden_states: bool = False,
                  tokenizer: proposer_pb2.TokenizerFingerprint | None = None) -> None:
         self._source = source
-        self._info = proposer_pb2.InfoResponse(
+        self.info = proposer_pb2.InfoResponse(
             method=source.method, max_k=max_k, needs_hidden_states=needs_hidden_states,
             tokenizer=tokenizer, server_version=_version(),
         )
 
     async def Info(self, request: proposer_pb2.InfoRequest, context) -> proposer_pb2.InfoResponse:
-        return self._info
+        return self.info
 
     async def Propose(self, request_iterator, context):
         async for message in request_iterator:
@@ -82,5 +82,5 @@ async def start_server(servicer: ProposerServicer, host: str = "127.0.0.1", port
     await server.start()
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    logger.info("proposer %s serving on %s:%d", servicer._info.method, host, bound)
+    logger.info("proposer %s serving on %s:%d", servicer.info.method, host, bound)
     return server, bound
