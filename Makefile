@@ -4,9 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Add type hints to this function and reply with the code only: def add(a, b): return a + b
+CONFIG ?=
 ARGS ?=
 
-.PHONY: run test bench setup clean
+.PHONY: run test bench generate setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +20,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Starts the service (local Ray cluster, bundled model) and prints its URLs; Ctrl-C stops it.
 run: $(STAMP)
+	$(BIN)/splitspec serve $(CONFIG) $(ARGS)
+
+# One generation with the in-process engine, no Ray.
+generate: $(STAMP)
 	$(BIN)/splitspec generate --chat --prompt "$(PROMPT)" $(ARGS)
 
 test: $(STAMP)

@@ -95,6 +95,50 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from cluster.config import load_config
+    from cluster.service import deploy, init_ray, start_serve, stop, wait_healthy
+
+    config = load_config(args.config)
+    api = config.api
+    http_port = api.http_port if args.http_port is None else args.http_port
+    grpc_port = api.grpc_port if args.grpc_port is None else args.grpc_port
+    for name, port in (("--http-port", http_port), ("--grpc-port", grpc_port)):
+        if not 0 <= port <= 65535:
+            raise InvalidRequestError(name, f"must be in [0, 65535], got {port}")
+    stopping = threading.Event()
+
+    def on_signal(signum, frame):  # Ctrl-C or SIGTERM: stop cleanly, once
+        stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    app_name = args.app_name
+    print(f"starting {'Ray at ' + args.address if args.address else 'a local Ray cluster'} ...", flush=True)
+    init_ray(args.address)
+    try:
+        http_port, grpc_port = start_serve(api.host, http_port, grpc_port)
+        print("deploying (loads the model in the verifier replica) ...", flush=True)
+        deploy(config, app_name)
+        http = f"http://{api.host}:{http_port}"
+        wait_healthy(f"{http}/health", timeout_s=300)
+        print(f"splitspec is ready\n"
+              f"  OpenAI API  {http}/v1   (e.g. POST {http}/v1/chat/completions)\n"
+              f"  health      {http}/health\n"
+              f"  gRPC        {api.host}:{grpc_port}   (splitspec.v1.Generate/Generate)\n"
+              f"Ctrl-C stops it.", flush=True)
+        while not stopping.wait(0.5):
+            pass
+        print("stopping ...", flush=True)
+    finally:
+        stop(app_name, owns_cluster=not args.address)
+    print("stopped", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitspec", description="Disaggregated speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -114,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     _add_engine_args(g)
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="run the service on a local Ray cluster (or join one with --address)")
+    s.add_argument("config", nargs="?", default=None,
+                   help="YAML config (default: built-in defaults, the same as cluster/configs/local-cpu.yaml)")
+    s.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto or ray://host:10001) instead of starting one")
+    s.add_argument("--http-port", type=int, default=None, help="OpenAI HTTP port (default: api.http_port; 0 = any free port)")
+    s.add_argument("--grpc-port", type=int, default=None, help="gRPC Generate port (default: api.grpc_port; 0 = any free port)")
+    s.add_argument("--app-name", default="splitspec", help="Serve application name")
+    s.set_defaults(func=_serve)
 
     from cluster.engine_bench import add_parser as add_bench_parser
 

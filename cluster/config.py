@@ -40,6 +40,7 @@ class AutoscalingConfig(_Strict):
         2.0, gt=0, description="Ongoing requests per replica the autoscaler aims for; lower scales up sooner.")
     upscale_delay_s: float = Field(2.0, ge=0, description="How long load must stay high before scaling up.")
     downscale_delay_s: float = Field(30.0, ge=0, description="How long load must stay low before scaling down.")
+    look_back_period_s: float = Field(30.0, gt=0, description="Window over which the load metric is averaged.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingConfig":
@@ -91,6 +92,9 @@ class VerifierConfig(_Strict):
     max_waiting: int = Field(64, ge=0, description="Requests queued per replica before new ones get 429.")
     proposer_deadline_ms: float = Field(100.0, gt=0, description="Per-round deadline of proposer calls; late = no drafts.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one replica spans (torch backend, GPU only).")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads; null = every core of the machine on a CPU-only replica "
+        "(Ray would otherwise cap it to resources.num_cpus), Ray's default on GPU replicas.")
     replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
     resources: ResourcesConfig = Field(ResourcesConfig(num_cpus=1.0), description="Per-replica resources.")
     autoscaling: AutoscalingConfig | None = Field(None, description="Serve autoscaling; overrides replicas.")

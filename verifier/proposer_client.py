@@ -85,6 +85,10 @@ class GrpcProposalSource:
         """Forget finished sequences; sent with the next round."""
         self._released.extend(seq_ids)
 
+    @property
+    def has_pending_releases(self) -> bool:
+        return bool(self._released)
+
     def _drop_stream(self) -> None:
         if self._call is not None:
             self._call.cancel()

@@ -1,0 +1,237 @@
+"""Ray Serve deployments: one per configured proposer, the verifier, and the app graph.
+
+    Ingress (HTTP + gRPC Generate) --Serve handle, one call per request--> Verifier
+    Verifier --one gRPC stream per proposer replica, one message per round--> Proposer-<method>
+
+Proposer replicas run a grpc.aio server in their own thread and announce its address in
+the application's `ProposerDirectory`; the verifier polls the directory and routes each
+sequence to one replica (`verifier.routing`). Serve handles are used only once per
+request, never per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pathlib
+import threading
+from typing import Any
+
+import ray
+from ray import serve
+
+from cluster.autoscaling import ACTIVE_SEQUENCES, POLICY_PATH
+from cluster.config import AutoscalingConfig, ResourcesConfig, SplitspecConfig
+from cluster.discovery import HEARTBEAT_S, get_directory
+
+logger = logging.getLogger(__name__)
+
+#: Verifier poll period of the proposer directory.
+DISCOVERY_PERIOD_S = 0.5
+
+
+def served_model_name(config: SplitspecConfig) -> str:
+    """The name in /v1/models: configured, else the checkpoint's file or folder name."""
+    if config.model.name:
+        return config.model.name
+    if config.model.path is None:
+        return "SmolLM2-135M-Instruct"
+    path = pathlib.Path(config.model.path)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+# ---------------------------------------------------------------------- proposers
+class ProposerReplica:
+    """Hosts one proposal method behind `splitspec.v1.Proposer` (gRPC) in a Serve replica."""
+
+    def __init__(self, method: str, options: dict[str, Any], app_name: str) -> None:
+        from proposers.registry import build_proposer
+
+        self.method = method
+        self._source = build_proposer(method, options)
+        context = serve.get_replica_context()
+        self._deployment = context.deployment
+        self._replica_id = context.replica_id.unique_id
+        self._directory = get_directory(app_name)
+        self.address: str | None = None
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True,
+                                        name=f"splitspec-proposer-{method}")
+        self._thread.start()
+        if not self._ready.wait(60):
+            raise RuntimeError(f"proposer {method}: the gRPC server did not start within 60 s")
+        if self._error is not None:
+            raise RuntimeError(f"proposer {method}: the gRPC server failed to start") from self._error
+
+    async def _serve(self) -> None:
+        from proposers.server import ProposerServicer, start_server
+
+        try:
+            max_k = int(getattr(getattr(self._source, "config", None), "max_k", 16))
+            server, port = await start_server(ProposerServicer(self._source, max_k), "0.0.0.0", 0)
+            self.address = f"{ray.util.get_node_ip_address()}:{port}"
+        except BaseException as exc:  # reported to the constructor
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stopping.is_set():
+                self._directory.announce.remote(self._deployment, self._replica_id, self.address)
+                await asyncio.sleep(HEARTBEAT_S)
+        finally:
+            await server.stop(grace=0.5)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve custom autoscaling metric (see `cluster.autoscaling`)."""
+        return {ACTIVE_SEQUENCES: float(getattr(self._source, "num_sequences", 0))}
+
+    def check_health(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError(f"proposer {self.method}: the gRPC server thread stopped")
+
+    def info(self) -> dict[str, Any]:
+        return {"method": self.method, "address": self.address, "replica_id": self._replica_id,
+                "pid": os.getpid(), "active_sequences": getattr(self._source, "num_sequences", 0)}
+
+    def __del__(self) -> None:
+        stopping = getattr(self, "_stopping", None)
+        if stopping is None:
+            return
+        stopping.set()
+        try:
+            self._directory.withdraw.remote(self._deployment, self._replica_id)
+        except Exception:  # shutting down: the entry expires anyway
+            pass
+
+
+# ---------------------------------------------------------------------- verifier
+class VerifierReplica:
+    """Runs the engine; streams `verifier.server` events to the ingress."""
+
+    async def __init__(self, config: dict[str, Any], app_name: str, *proposers) -> None:
+        import torch
+
+        from cluster.local import load_model_and_tokenizer
+        from verifier.engine import Engine, EngineConfig
+        from verifier.policy import OffPolicy, StaticPolicy
+        from verifier.routing import RoutedProposalSource
+        from verifier.server import VerifierServer
+
+        cfg = SplitspecConfig.model_validate(config)
+        v = cfg.verifier
+        threads = v.num_threads or (os.cpu_count() if v.resources.num_gpus == 0 else None)
+        if threads:
+            torch.set_num_threads(threads)
+        model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.tokenizer, cfg.model.dtype)
+        # deployment name of each method, from the handles Serve passed in
+        self._proposer_deployments = {p.method: h.deployment_name for p, h in zip(cfg.proposers, proposers)}
+        self._routers = {
+            m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0) for m in self._proposer_deployments
+        }
+        methods = tuple(self._routers)
+        proposer = self._routers[methods[0]] if methods else None
+        policy = StaticPolicy(cfg.controller.k) if proposer is not None and cfg.controller.k > 0 else OffPolicy()
+        engine = Engine(model, tokenizer, EngineConfig(
+            max_num_seqs=v.max_num_seqs, max_model_len=v.max_model_len, max_waiting=v.max_waiting,
+        ), proposer, policy)
+        self.server = VerifierServer(engine, served_model_name(cfg), methods,
+                                     speculate_by_default=cfg.controller.policy != "off")
+        self._seen = {m: False for m in methods}
+        self._directory = get_directory(app_name) if methods else None
+        if methods:
+            await self._discover()
+        self._discovery = asyncio.get_running_loop().create_task(self._discovery_loop())
+
+    async def _discover(self) -> None:
+        for method, deployment in self._proposer_deployments.items():
+            replicas = await self._directory.replicas.remote(deployment)
+            router = self._routers[method]
+            await router.set_replicas(sorted(replicas.values()))
+            self._seen[method] = self._seen[method] or bool(replicas)
+            await router.flush()
+
+    async def _discovery_loop(self) -> None:
+        while self._directory is not None:
+            try:
+                await self._discover()
+            except Exception:  # the directory restarting: keep the last known set
+                logger.warning("proposer discovery failed; keeping the last replica set", exc_info=True)
+            await asyncio.sleep(DISCOVERY_PERIOD_S)
+
+    async def generate(self, request):
+        async for event in self.server.generate(request):
+            yield event
+
+    def stats(self) -> dict[str, Any]:
+        out = self.server.stats()
+        out["proposers"] = {
+            m: {"replicas": r.addresses, "live": r.live_addresses(), **r.stats.__dict__} for m, r in self._routers.items()
+        }
+        return out
+
+    def health(self) -> dict[str, Any]:
+        """Ready once every proposer deployment has been seen at least once."""
+        return {
+            "ready": all(self._seen.values()),
+            "proposers": {m: len(r.live_addresses()) for m, r in self._routers.items()},
+            "num_running": self.server.engine.num_running,
+            "num_waiting": self.server.engine.num_waiting,
+        }
+
+    def check_health(self) -> None:
+        if self._discovery.done() and not self._discovery.cancelled() and self._discovery.exception():
+            raise RuntimeError("proposer discovery stopped") from self._discovery.exception()
+
+
+# ---------------------------------------------------------------------- app graph
+def _scaling_options(replicas: int, autoscaling: AutoscalingConfig | None, custom_policy: bool) -> dict[str, Any]:
+    if autoscaling is None:
+        return {"num_replicas": replicas}
+    a = autoscaling.model_dump()
+    if custom_policy:
+        a["policy"] = {"policy_function": POLICY_PATH}
+    return {"autoscaling_config": a}
+
+
+def _actor_options(resources: ResourcesConfig) -> dict[str, Any]:
+    return {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
+
+
+def build_app(config: SplitspecConfig, app_name: str = "splitspec"):
+    """The Serve application for `config` (`serve.run(build_app(cfg), name=app_name)`)."""
+    from cluster.ingress import Ingress
+
+    proposer_apps = []
+    for p in config.proposers:
+        deployment = serve.deployment(ProposerReplica).options(
+            name=f"Proposer-{p.method}",
+            ray_actor_options=_actor_options(p.resources),
+            # Proposer traffic is gRPC; Serve only sees health checks and info calls.
+            max_ongoing_requests=16,
+            health_check_period_s=2.0,
+            graceful_shutdown_timeout_s=2.0,
+            **_scaling_options(p.replicas, p.autoscaling, custom_policy=True),
+        )
+        proposer_apps.append(deployment.bind(p.method, dict(p.options), app_name))
+    v = config.verifier
+    per_replica = v.max_num_seqs + v.max_waiting
+    verifier = serve.deployment(VerifierReplica).options(
+        name="Verifier",
+        ray_actor_options=_actor_options(v.resources),
+        # Room above the engine's own limit, so overload is the engine's clear 429.
+        max_ongoing_requests=per_replica + 8,
+        graceful_shutdown_timeout_s=5.0,
+        **_scaling_options(v.replicas, v.autoscaling, custom_policy=False),
+    ).bind(config.model_dump(mode="json"), app_name, *proposer_apps)
+    max_verifiers = v.autoscaling.max_replicas if v.autoscaling else v.replicas
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress",
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=max(64, 2 * (per_replica + 8) * max_verifiers),
+        graceful_shutdown_timeout_s=5.0,
+    ).bind(verifier, served_model_name(config), v.max_model_len)
+    return ingress

@@ -1,0 +1,365 @@
+"""The public APIs: OpenAI-compatible HTTP and the gRPC `splitspec.v1.Generate` service.
+
+Both parse a request into a `verifier.server.GenerateInput`, make one streaming call to
+the verifier deployment, and map its events back. The first event decides the status:
+an `error` event becomes 400 / INVALID_ARGUMENT (naming the field) or 429 /
+RESOURCE_EXHAUSTED with `Retry-After`; anything else starts the response. When the client
+goes away, Serve cancels this call and the cancellation reaches the verifier, which
+aborts the sequence and frees its KV slot.
+
+No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not
+a string, in the routes of a Serve class-based ingress.
+"""
+
+import json
+import math
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+
+from protos.splitspec.v1 import generate_pb2
+from verifier.server import GenerateInput
+
+#: Import path of the gRPC servicer Serve's gRPC proxy registers.
+GENERATE_SERVICER = "protos.splitspec.v1.generate_pb2_grpc.add_GenerateServicer_to_server"
+
+app = FastAPI(title="splitspec", description="OpenAI-compatible API with disaggregated speculative decoding")
+
+
+# ---------------------------------------------------------------------- request bodies
+class _Body(BaseModel):
+    # Unknown OpenAI fields are ignored, as vLLM does; known ones are type-checked.
+    model_config = ConfigDict(extra="ignore")
+
+
+class SpeculationRequest(_Body):
+    mode: Literal["auto", "off", "on"] = "auto"
+    method: str | None = None
+    max_k: int | None = Field(None, ge=0)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Common(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM extension; -1 also disables
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM extension
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    speculation: SpeculationRequest | None = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class ChatCompletionBody(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # crosses Ray processes (gRPC errors travel back to the proxy)
+        return ApiError, (self.status, self.message, self.param, self.retry_after_s)
+
+    def response(self) -> JSONResponse:
+        kind = {400: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "error")
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return JSONResponse(
+            {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}},
+            status_code=self.status, headers=headers,
+        )
+
+
+def _parse(model: type[BaseModel], body: Any) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        loc = [str(x) for x in e["loc"]]
+        # Nested objects keep their path (speculation.max_k, messages.0.role); union
+        # branches pydantic adds to the location (prompt.list[int]) are dropped.
+        depth = {"speculation": 2, "stream_options": 2, "messages": 3}.get(loc[0] if loc else "", 1)
+        param = ".".join(loc[:depth]) or "body"
+        raise ApiError(400, f"{param}: {e['msg']} (given: {e.get('input')!r})", param) from None
+
+
+def _common_input(body: _Common, request_id: str, max_tokens: int | None) -> dict[str, Any]:
+    if body.n != 1:
+        raise ApiError(400, "n: only n = 1 is supported", "n")
+    if body.logprobs not in (None, False, 0):
+        raise ApiError(400, "logprobs: not supported", "logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name}: not supported (must be 0)", name)
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options: only allowed with stream: true", "stream_options")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    spec = body.speculation or SpeculationRequest()
+    return dict(
+        request_id=request_id, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
+        speculation_mode=spec.mode, speculation_method=spec.method, speculation_max_k=spec.max_k,
+    )
+
+
+def _error_from_event(event: dict[str, Any]) -> ApiError:
+    if event["kind"] == "overloaded":
+        return ApiError(429, event["message"], None, event.get("retry_after_s", 1.0))
+    return ApiError(400, event["message"], event.get("param"))
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"body: not valid JSON: {exc}", "body") from None
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+# ---------------------------------------------------------------------- the deployment
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, verifier, model_name: str, max_model_len: int) -> None:
+        self._verifier = verifier.options(stream=True)
+        self._plain = verifier
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ helpers
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise ApiError(400, f"model: {model!r} is not served here; available: [{self.model_name!r}]", "model")
+
+    async def _open(self, inp: GenerateInput) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
+        """Start the verifier stream; return its first event and the rest (errors raised)."""
+        try:
+            stream = self._verifier.generate.remote(inp)
+            first = await stream.__anext__()
+        except BackPressureError as exc:
+            raise ApiError(503, f"the verifier is at capacity: {exc}", None, 1.0) from None
+        if first["event"] == "error":
+            raise _error_from_event(first)
+        return first, stream
+
+    async def _run(self, body: _Common, inp: GenerateInput, chat: bool):
+        rid = inp.request_id
+        try:
+            first, stream = await self._open(inp)
+        except ApiError as exc:
+            return exc.response()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse_stream(rid, first, stream, chat, include_usage),
+                                     media_type="text/event-stream")
+        text, final = [first.get("text", "")], first
+        async for event in stream:
+            text.append(event.get("text", ""))
+            final = event
+        return JSONResponse(self._full_response(rid, "".join(text), final, chat))
+
+    def _full_response(self, rid: str, text: str, final: dict[str, Any], chat: bool) -> dict[str, Any]:
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": final["finish_reason"]}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final["finish_reason"]}
+        return {
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": [choice], "usage": final["usage"],
+            "speculation": final["speculation"],
+        }
+
+    async def _sse_stream(self, rid: str, first: dict[str, Any], stream, chat: bool,
+                          include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+
+        if chat:  # OpenAI opens a chat stream with the role
+            yield _sse(chunk("", None, role=True))
+        event = first
+        while True:
+            final = event["event"] == "final"
+            if event.get("text") or final:
+                data = chunk(event.get("text", ""), event["finish_reason"] if final else None)
+                if final:
+                    data["speculation"] = event["speculation"]
+                yield _sse(data)
+            if final:
+                if include_usage:
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                "choices": [], "usage": event["usage"], "speculation": event["speculation"]})
+                break
+            try:
+                event = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ HTTP routes
+    @app.get("/health")
+    async def health(self):
+        try:
+            state = await self._plain.health.remote()
+        except Exception as exc:  # the verifier is not up
+            return JSONResponse({"status": "unavailable", "detail": repr(exc)}, status_code=503)
+        status = 200 if state["ready"] else 503
+        return JSONResponse({"status": "ok" if state["ready"] else "starting", **state}, status_code=status)
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitspec",
+            "max_model_len": self.max_model_len,
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        try:
+            body = _parse(CompletionBody, await _json(request))
+            self._check_model(body.model)
+            if body.echo:
+                raise ApiError(400, "echo: not supported", "echo")
+            prompt = body.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                if len(prompt) != 1:
+                    raise ApiError(400, "prompt: only one prompt per request is supported", "prompt")
+                prompt = prompt[0]
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            fields = _common_input(body, rid, body.max_tokens)
+            if isinstance(prompt, list):
+                inp = GenerateInput(prompt_token_ids=tuple(prompt), **fields)
+            else:
+                inp = GenerateInput(prompt=prompt, **fields)
+        except ApiError as exc:
+            return exc.response()
+        return await self._run(body, inp, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        try:
+            body = _parse(ChatCompletionBody, await _json(request))
+            self._check_model(body.model)
+            messages = []
+            for i, m in enumerate(body.messages):
+                content = m.content
+                if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                    if any(part.get("type") != "text" for part in content):
+                        raise ApiError(400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content")
+                    content = "".join(str(part.get("text", "")) for part in content)
+                messages.append({"role": m.role, "content": content})
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            inp = GenerateInput(messages=tuple(messages), **_common_input(body, rid, max_tokens))
+        except ApiError as exc:
+            return exc.response()
+        return await self._run(body, inp, chat=True)
+
+    # ------------------------------------------------------------------ gRPC
+    async def Generate(self, request: generate_pb2.GenerateRequest, grpc_context=None):
+        """`splitspec.v1.Generate/Generate` through Serve's gRPC proxy."""
+        rid = request.request_id or f"gen-{uuid.uuid4().hex}"
+        try:
+            inp = self._grpc_input(request, rid)
+            first, stream = await self._open(inp)
+        except ApiError as exc:
+            if grpc_context is not None:
+                code = grpc.StatusCode.INVALID_ARGUMENT if exc.status == 400 else grpc.StatusCode.RESOURCE_EXHAUSTED
+                grpc_context.set_code(code)
+                grpc_context.set_details(exc.message)
+                if exc.retry_after_s is not None:
+                    grpc_context.set_trailing_metadata([("retry-after", str(max(1, math.ceil(exc.retry_after_s))))])
+            raise
+        event = first
+        while True:
+            message = generate_pb2.GenerateResponse(request_id=rid, token_ids=event.get("token_ids", []),
+                                                    text=event.get("text", ""))
+            if event["event"] == "final":
+                message.finish_reason = event["finish_reason"]
+                message.usage.CopyFrom(generate_pb2.Usage(**event["usage"]))
+                s = event["speculation"]
+                message.speculation.CopyFrom(generate_pb2.SpeculationStats(
+                    rounds=s["rounds"], rounds_with_drafts=s["rounds_with_drafts"], drafted=s["drafted"],
+                    accepted=s["accepted"], mean_acceptance_length=s["mean_acceptance_length"],
+                ))
+                yield message
+                return
+            yield message
+            try:
+                event = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+
+    def _grpc_input(self, r: generate_pb2.GenerateRequest, rid: str) -> GenerateInput:
+        self._check_model(r.model)
+        which = r.WhichOneof("input")
+        if which is None:
+            raise ApiError(400, "prompt: give one of prompt, messages, prompt_token_ids", "prompt")
+        spec = r.speculation
+        fields = dict(
+            request_id=rid,
+            max_tokens=r.max_tokens if r.HasField("max_tokens") else 16,
+            temperature=r.temperature if r.HasField("temperature") else 1.0,
+            top_p=r.top_p if r.HasField("top_p") else 1.0,
+            top_k=r.top_k if r.HasField("top_k") else 0,
+            seed=r.seed if r.HasField("seed") else None,
+            stop=tuple(r.stop), ignore_eos=r.ignore_eos,
+            speculation_mode=spec.mode or "auto", speculation_method=spec.method or None,
+            speculation_max_k=spec.max_k if spec.HasField("max_k") else None,
+        )
+        if which == "prompt":
+            return GenerateInput(prompt=r.prompt, **fields)
+        if which == "messages":
+            return GenerateInput(messages=tuple({"role": m.role, "content": m.content} for m in r.messages.messages),
+                                 **fields)
+        return GenerateInput(prompt_token_ids=tuple(r.prompt_token_ids.ids), **fields)

@@ -1,0 +1,107 @@
+"""Start and stop the service on a Ray cluster (used by `splitspec serve` and the tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+
+from cluster.config import SplitspecConfig
+
+logger = logging.getLogger(__name__)
+
+#: Proposer replicas push their load to the Serve controller this often (Serve's default,
+#: 10 s, makes autoscaling sluggish). Read when Ray starts its worker processes.
+METRIC_PUSH_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (bind port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceUrls:
+    http: str
+    grpc: str
+    route_prefix: str = "/"
+
+    @property
+    def openai_base(self) -> str:
+        return f"{self.http}{self.route_prefix.rstrip('/')}/v1"
+
+
+def start_serve(host: str, http_port: int, grpc_port: int) -> tuple[int, int]:
+    """Start Serve's HTTP and gRPC proxies (ports 0 = pick free ones); return the ports."""
+    from ray import serve
+
+    from cluster.ingress import GENERATE_SERVICER
+
+    http_port = http_port or free_port(host)
+    grpc_port = grpc_port or free_port(host)
+    serve.start(
+        http_options={"host": host, "port": http_port},
+        grpc_options={"port": grpc_port, "grpc_servicer_functions": [GENERATE_SERVICER]},
+    )
+    return http_port, grpc_port
+
+
+def deploy(config: SplitspecConfig, app_name: str = "splitspec", route_prefix: str = "/") -> None:
+    """Deploy (or update) the application and wait until its deployments are running."""
+    from ray import serve
+
+    from cluster.deployments import build_app
+
+    serve.run(build_app(config, app_name), name=app_name, route_prefix=route_prefix, blocking=False)
+
+
+def wait_healthy(url: str, timeout_s: float = 120.0) -> dict:
+    """Poll `url` (/health) until it answers 200; raise TimeoutError otherwise."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            last = exc
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s (last: {last!r})")
+
+
+def init_ray(address: str | None, num_cpus: int | None = None) -> None:
+    """Join `address`, or start a local cluster with this process as its owner."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    for key, value in METRIC_PUSH_ENV.items():
+        os.environ.setdefault(key, value)
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+def stop(app_name: str, owns_cluster: bool) -> None:
+    """Remove the application; on a cluster this process started, stop Serve and Ray too."""
+    import ray
+    from ray import serve
+
+    from cluster.discovery import kill_directory
+
+    try:
+        if owns_cluster:
+            serve.shutdown()
+        else:
+            serve.delete(app_name)
+        kill_directory(app_name)
+    finally:
+        ray.shutdown()

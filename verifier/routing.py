@@ -1,0 +1,154 @@
+"""`ProposalSource` over a changing set of proposer replicas: sticky routing, fail open.
+
+One `GrpcProposalSource` (one bidirectional stream) per live replica. Each round the batch
+is split by owner and every replica gets one message, all in parallel under the same
+per-round deadline, so a round costs one RPC per replica, never one per sequence.
+
+Routing is rendezvous hashing (highest random weight) of `seq_id` over the live replicas:
+sticky, and when a replica joins or leaves only the sequences it wins or held move. A
+sequence whose owner changed is answered `resync` locally (no RPC) so the engine sends its
+full context to the new owner next round; the old owner is told to release it.
+
+Failure is per replica and never fails a request: a replica that errs or misses the
+deadline yields empty drafts (k = 0 this round) for its sequences and sits out
+`cooldown_s`, during which its sequences hash to the remaining replicas. The replica set
+itself comes from outside (`set_replicas`), e.g. a discovery loop in `cluster`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+
+from protos.proposal import Proposal, ProposalRequest
+from verifier.proposer_client import GrpcProposalSource, ProposerUnavailableError
+
+logger = logging.getLogger(__name__)
+
+
+def _weight(seq_id: str, address: str) -> int:
+    digest = hashlib.blake2b(f"{address}\x00{seq_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def owner_of(seq_id: str, addresses: Sequence[str]) -> str | None:
+    """The replica `seq_id` routes to: the address with the highest hash weight."""
+    return max(addresses, key=lambda a: _weight(seq_id, a), default=None)
+
+
+@dataclasses.dataclass
+class RouterStats:
+    """Counters since start (exported with the verifier's stats)."""
+
+    num_rounds: int = 0
+    num_replica_failures: int = 0
+    num_moved_sequences: int = 0
+    num_replica_set_changes: int = 0
+
+
+class RoutedProposalSource:
+    """Route each sequence to one proposer replica; see the module docstring."""
+
+    def __init__(self, method: str, deadline_s: float = 0.1, cooldown_s: float = 2.0) -> None:
+        self.method = method
+        self.deadline_s = deadline_s
+        self.cooldown_s = cooldown_s
+        self.stats = RouterStats()
+        self._sources: dict[str, GrpcProposalSource] = {}
+        self._down_until: dict[str, float] = {}
+        self._owner: dict[str, str] = {}  # seq_id -> address that holds its state
+
+    # ------------------------------------------------------------------ replica set
+    @property
+    def addresses(self) -> list[str]:
+        return sorted(self._sources)
+
+    def live_addresses(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return sorted(a for a in self._sources if self._down_until.get(a, 0.0) <= now)
+
+    async def set_replicas(self, addresses: Sequence[str]) -> bool:
+        """Make `addresses` the replica set; return True when it changed."""
+        new = set(addresses)
+        old = set(self._sources)
+        if new == old:
+            return False
+        for address in old - new:
+            source = self._sources.pop(address)
+            self._down_until.pop(address, None)
+            await source.close()
+        for address in new - old:
+            self._sources[address] = GrpcProposalSource(address, self.method, self.deadline_s)
+        self.stats.num_replica_set_changes += 1
+        logger.info("proposer %s replicas: %s", self.method, sorted(new))
+        return True
+
+    # ------------------------------------------------------------------ rounds
+    async def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        self.stats.num_rounds += 1
+        now = time.monotonic()
+        live = self.live_addresses(now)
+        results: list[Proposal | None] = [None] * len(requests)
+        batches: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            address = owner_of(r.seq_id, live)
+            if address is None:  # no replica at all: nothing to verify this round
+                results[i] = Proposal(r.seq_id, np.zeros(0, np.int32))
+                continue
+            previous = self._owner.get(r.seq_id)
+            if previous != address:
+                self._owner[r.seq_id] = address
+                if previous is not None or r.base_len > 0:
+                    # Moved (replica set changed): the new owner lacks the state.
+                    self.stats.num_moved_sequences += 1
+                    if previous in self._sources:
+                        self._sources[previous].release([r.seq_id])
+                    if r.base_len > 0:
+                        results[i] = Proposal(r.seq_id, np.zeros(0, np.int32), resync=True)
+                        continue
+            batches.setdefault(address, []).append(i)
+        # Replicas with nothing to draft but releases to deliver get an empty message.
+        for address, source in self._sources.items():
+            if address not in batches and source.has_pending_releases and address in live:
+                batches[address] = []
+        if batches:
+            answers = await asyncio.gather(*(
+                self._sources[a].propose([requests[i] for i in idx]) for a, idx in batches.items()
+            ), return_exceptions=True)
+            for (address, idx), answer in zip(batches.items(), answers):
+                if isinstance(answer, BaseException):
+                    self._mark_down(address, answer)
+                    answer = [Proposal(requests[i].seq_id, np.zeros(0, np.int32)) for i in idx]
+                for i, proposal in zip(idx, answer):
+                    results[i] = proposal
+        return results  # type: ignore[return-value]
+
+    async def flush(self) -> None:
+        """Deliver pending releases to replicas that had no round lately (idle engine)."""
+        if any(s.has_pending_releases for s in self._sources.values()):
+            await self.propose([])
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        for seq_id in seq_ids:
+            address = self._owner.pop(seq_id, None)
+            if address is not None and address in self._sources:
+                self._sources[address].release([seq_id])
+
+    def _mark_down(self, address: str, exc: BaseException) -> None:
+        self.stats.num_replica_failures += 1
+        if not isinstance(exc, ProposerUnavailableError):
+            logger.warning("proposer %s at %s failed unexpectedly: %r", self.method, address, exc)
+        else:
+            logger.warning("%s; its sequences speculate 0 and move for %.1f s", exc, self.cooldown_s)
+        self._down_until[address] = time.monotonic() + self.cooldown_s
+
+    async def close(self) -> None:
+        for source in self._sources.values():
+            await source.close()
+        self._sources.clear()

@@ -1,0 +1,159 @@
+"""The verifier's request front: text or chat in, a stream of plain-dict events out.
+
+`VerifierServer` owns one engine. It applies the chat template, tokenizes, turns the
+per-request `speculation` object into the engine's `max_k`, and streams events that
+cross process boundaries as plain dicts (a Ray Serve handle pickles them). It has no Ray
+or HTTP imports: `cluster` wraps it in a Serve deployment and maps events to the HTTP
+and gRPC APIs.
+
+Events, in order:
+  {"event": "error", "kind": "invalid_request" | "overloaded", "param", "message", "retry_after_s"}
+      only as the first and only event: nothing was generated;
+  {"event": "delta", "token_ids": [...], "text": "..."}     zero or more;
+  {"event": "final", "token_ids", "text", "finish_reason", "usage", "speculation"}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+from verifier.engine import Engine
+from verifier.errors import InvalidRequestError, OverloadedError
+from verifier.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SPECULATION_MODES = ("auto", "off", "on")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateInput:
+    """One request, already parsed from HTTP or gRPC. Exactly one of `prompt`,
+    `messages`, `prompt_token_ids` is set. `max_tokens` None = the rest of the context."""
+
+    request_id: str = ""
+    prompt: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    speculation_mode: str = "auto"
+    speculation_method: str | None = None
+    speculation_max_k: int | None = None
+
+
+class VerifierServer:
+    """Serve `GenerateInput`s with one engine.
+
+    `methods` lists the proposal methods the engine's proposer can serve (the first is
+    the default); `speculate_by_default` False means `mode: auto` does not speculate
+    (controller policy `off`) while `mode: on` still does.
+    """
+
+    def __init__(self, engine: Engine, model_name: str, methods: tuple[str, ...] = (),
+                 speculate_by_default: bool = True) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.methods = methods
+        self.speculate_by_default = speculate_by_default
+
+    # ------------------------------------------------------------------ requests
+    def _prompt_ids(self, req: GenerateInput) -> list[int]:
+        given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequestError("prompt", "give exactly one of prompt, messages, prompt_token_ids")
+        tok = self.engine.tokenizer
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        if req.messages is not None:
+            if not req.messages:
+                raise InvalidRequestError("messages", "must not be empty")
+            for i, m in enumerate(req.messages):
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise InvalidRequestError(f"messages[{i}]", "needs a string 'role' and a string 'content'")
+            text = tok.apply_chat_template([dict(m) for m in req.messages], add_generation_prompt=True)
+            return tok.encode(text)
+        if not req.prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return tok.encode(req.prompt)
+
+    def _max_k(self, req: GenerateInput) -> int | None:
+        if req.speculation_mode not in SPECULATION_MODES:
+            raise InvalidRequestError("speculation.mode", f"must be one of {list(SPECULATION_MODES)}, got {req.speculation_mode!r}")
+        if req.speculation_method and req.speculation_method not in self.methods:
+            known = list(self.methods) or "none (speculation is not configured)"
+            raise InvalidRequestError("speculation.method", f"unknown method {req.speculation_method!r}; served: {known}")
+        if req.speculation_max_k is not None and (isinstance(req.speculation_max_k, bool) or
+                                                  not isinstance(req.speculation_max_k, int) or req.speculation_max_k < 0):
+            raise InvalidRequestError("speculation.max_k", f"must be an integer >= 0, got {req.speculation_max_k!r}")
+        if req.speculation_mode == "off" or (req.speculation_mode == "auto" and not self.speculate_by_default):
+            return 0
+        return req.speculation_max_k
+
+    def _params(self, req: GenerateInput, num_prompt_tokens: int) -> SamplingParams:
+        max_tokens = req.max_tokens
+        if max_tokens is None:  # as vLLM: whatever the context leaves
+            max_tokens = max(self.engine.config.max_model_len - num_prompt_tokens, 1)
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
+        ).validate()
+
+    async def generate(self, req: GenerateInput) -> AsyncIterator[dict[str, Any]]:
+        """Stream events for one request (see the module docstring)."""
+        # Engine ids double as proposer seq_ids, shared by every verifier replica: unique.
+        engine_id = f"{req.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        try:
+            prompt_ids = self._prompt_ids(req)
+            max_k = self._max_k(req)
+            params = self._params(req, len(prompt_ids))
+            stream = self.engine.generate(prompt_ids, params, request_id=engine_id, max_k=max_k)
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    if not out.finished:
+                        yield {"event": "delta", "token_ids": out.token_ids, "text": out.text}
+                        continue
+                    stats = out.stats
+                    yield {
+                        "event": "final",
+                        "token_ids": out.token_ids,
+                        "text": out.text,
+                        "finish_reason": out.finish_reason.value,
+                        "usage": {
+                            "prompt_tokens": len(prompt_ids),
+                            "completion_tokens": stats.num_output_tokens,
+                            "total_tokens": len(prompt_ids) + stats.num_output_tokens,
+                        },
+                        "speculation": self._speculation_stats(req, max_k, stats),
+                    }
+                    return
+        except InvalidRequestError as exc:
+            # Raised only before the first event (parsing, engine.validate).
+            yield {"event": "error", "kind": "invalid_request", "param": exc.param, "message": str(exc)}
+        except OverloadedError as exc:
+            yield {"event": "error", "kind": "overloaded", "param": None, "message": str(exc),
+                   "retry_after_s": exc.retry_after_s}
+
+    def _speculation_stats(self, req: GenerateInput, max_k: int | None, stats) -> dict[str, Any]:
+        method = (req.speculation_method or (self.methods[0] if self.methods else None)) if max_k != 0 else None
+        return {"mode": req.speculation_mode, "method": method, **stats.as_dict()}
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "num_running": e.num_running,
+            "num_waiting": e.num_waiting,
+            "num_free_slots": e.cache.num_free_slots,
+            "max_num_seqs": e.config.max_num_seqs,
+            "engine": dataclasses.asdict(e.stats),
+        }
