@@ -114,11 +114,12 @@ def _serve(args: argparse.Namespace) -> int:
     def on_signal(signum, frame):  # Ctrl-C or SIGTERM: stop cleanly, once
         stopping.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     app_name = args.app_name
     print(f"starting {'Ray at ' + args.address if args.address else 'a local Ray cluster'} ...", flush=True)
     init_ray(args.address)
+    # After ray.init, which installs its own SIGTERM handler.
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
         http_port, grpc_port = start_serve(api.host, http_port, grpc_port)
         print("deploying (loads the model in the verifier replica) ...", flush=True)

@@ -168,6 +168,8 @@ class VerifierReplica:
 
     def stats(self) -> dict[str, Any]:
         out = self.server.stats()
+        out["replica_id"] = serve.get_replica_context().replica_id.unique_id
+        out["pid"] = os.getpid()
         out["proposers"] = {
             m: {"replicas": r.addresses, "live": r.live_addresses(), **r.stats.__dict__} for m, r in self._routers.items()
         }

@@ -65,6 +65,7 @@ class _Common(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     speculation: SpeculationRequest | None = None
+    return_token_ids: bool = False  # vLLM extension: output token ids in each choice
 
 
 class CompletionBody(_Common):
@@ -190,13 +191,17 @@ class Ingress:
             return exc.response()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse_stream(rid, first, stream, chat, include_usage),
+            return StreamingResponse(self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids),
                                      media_type="text/event-stream")
-        text, final = [first.get("text", "")], first
+        text, token_ids, final = [first.get("text", "")], list(first.get("token_ids", [])), first
         async for event in stream:
             text.append(event.get("text", ""))
+            token_ids.extend(event.get("token_ids", []))
             final = event
-        return JSONResponse(self._full_response(rid, "".join(text), final, chat))
+        out = self._full_response(rid, "".join(text), final, chat)
+        if body.return_token_ids:
+            out["choices"][0]["token_ids"] = token_ids
+        return JSONResponse(out)
 
     def _full_response(self, rid: str, text: str, final: dict[str, Any], chat: bool) -> dict[str, Any]:
         if chat:
@@ -211,7 +216,7 @@ class Ingress:
         }
 
     async def _sse_stream(self, rid: str, first: dict[str, Any], stream, chat: bool,
-                          include_usage: bool) -> AsyncIterator[str]:
+                          include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -230,8 +235,10 @@ class Ingress:
         event = first
         while True:
             final = event["event"] == "final"
-            if event.get("text") or final:
+            if event.get("text") or event.get("token_ids") or final:
                 data = chunk(event.get("text", ""), event["finish_reason"] if final else None)
+                if token_ids:
+                    data["choices"][0]["token_ids"] = event.get("token_ids", [])
                 if final:
                     data["speculation"] = event["speculation"]
                 yield _sse(data)

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protos.proposal import ProposalRequest, ProposalSource
+from protos.proposal import Proposal, ProposalRequest, ProposalSource
 from protos.splitspec.v1 import proposer_pb2, proposer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,12 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             ]
             try:
                 proposals = await self._source.propose(requests)
-            except ValueError as exc:  # a malformed delta: answer it, keep the stream
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except ValueError as exc:
+                # A malformed delta: drop those sequences' state and ask for the full
+                # context (resync), keeping the stream and the other verifiers' rounds.
+                logger.warning("proposer %s: bad round %d: %s", self.info.method, message.round_id, exc)
+                self._source.release([r.seq_id for r in requests])
+                proposals = [Proposal(r.seq_id, np.zeros(0, np.int32), resync=True) for r in requests]
             drafts = []
             for p in proposals:
                 probs = b"" if p.draft_probs is None else np.asarray(p.draft_probs, dtype="<f4").tobytes()

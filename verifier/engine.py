@@ -177,9 +177,11 @@ class Engine:
         sequence and frees its KV slot before the next step.
         """
         self.validate(prompt_token_ids, params)
-        if len(self._waiting) >= self.config.max_waiting:
+        # Requests that a free KV slot takes at the next step do not wait.
+        if len(self._waiting) - self.cache.num_free_slots >= self.config.max_waiting:
             raise OverloadedError(
-                f"{len(self._waiting)} requests already wait for the {self.config.max_num_seqs} running ones"
+                f"all {self.config.max_num_seqs} sequence slots are busy and {len(self._waiting)} requests wait "
+                f"(limit {self.config.max_waiting})"
             )
         seq = self._new_sequence(list(prompt_token_ids), params, request_id, max_k)
         self._waiting.append(seq)

@@ -91,7 +91,8 @@ class RoutedProposalSource:
 
     # ------------------------------------------------------------------ rounds
     async def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
-        self.stats.num_rounds += 1
+        if requests:
+            self.stats.num_rounds += 1
         now = time.monotonic()
         live = self.live_addresses(now)
         results: list[Proposal | None] = [None] * len(requests)

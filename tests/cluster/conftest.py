@@ -1,0 +1,121 @@
+"""A real local Ray cluster with Serve, shared by every `serve` test of the session.
+
+Ray runs with auth disabled, its temp dir under pytest's, the dashboard off, and Serve's
+HTTP and gRPC proxies on free ports (never the defaults). Applications are deployed on
+first use, each under its own route prefix, and stay up for the session; teardown shuts
+Serve down and then the Ray processes this session started (never `ray stop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+import pytest
+
+HOST = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedApp:
+    name: str
+    route_prefix: str
+    http: str  # http://host:port
+    grpc: str  # host:port
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.http}{self.route_prefix.rstrip('/')}/v1"
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.http}{self.route_prefix.rstrip('/')}/health"
+
+    @property
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("application", self.name),)
+
+    def verifier(self):
+        from ray import serve
+
+        return serve.get_deployment_handle("Verifier", self.name)
+
+    def proposer(self, method: str = "ngram"):
+        from ray import serve
+
+        return serve.get_deployment_handle(f"Proposer-{method}", self.name)
+
+
+@pytest.fixture(scope="session")
+def serve_cluster(tmp_path_factory):
+    """(http_port, grpc_port) of Serve on a fresh local Ray cluster."""
+    import ray
+    from ray import serve
+
+    from cluster.service import METRIC_PUSH_ENV, start_serve
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # Short socket paths: Ray's temp dir must stay well under the 107-byte AF_UNIX limit.
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-", dir=tempfile.gettempdir())
+    # Proposer load reaches the autoscaler quickly (read when Ray starts its workers).
+    os.environ.update(METRIC_PUSH_ENV)
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        http_port, grpc_port = start_serve(HOST, 0, 0)
+        yield http_port, grpc_port
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def _deploy(serve_cluster, name: str, route_prefix: str, config: dict) -> ServedApp:
+    from cluster.config import SplitspecConfig
+    from cluster.service import deploy, wait_healthy
+
+    http_port, grpc_port = serve_cluster
+    deploy(SplitspecConfig.model_validate(config), app_name=name, route_prefix=route_prefix)
+    app = ServedApp(name, route_prefix, f"http://{HOST}:{http_port}", f"{HOST}:{grpc_port}")
+    wait_healthy(app.health_url, timeout_s=120)
+    return app
+
+
+#: Verifier settings shared by the test apps: 2 torch threads like the local engine.
+_VERIFIER = {"num_threads": 2, "proposer_deadline_ms": 200}
+
+
+@pytest.fixture(scope="session")
+def main_app(serve_cluster) -> ServedApp:
+    """n-gram speculation (static k = 4), one proposer replica, room for 12 requests."""
+    return _deploy(serve_cluster, "main", "/", {
+        "proposers": [{"method": "ngram", "resources": {"num_cpus": 0.25}}],
+        "verifier": {**_VERIFIER, "max_num_seqs": 8, "max_model_len": 1024, "max_waiting": 4,
+                     "resources": {"num_cpus": 1}},
+        "controller": {"policy": "static", "k": 4},
+    })
+
+
+@pytest.fixture(scope="session")
+def tight_app(serve_cluster) -> ServedApp:
+    """One KV slot and no queue (overload), no proposers (speculation not configured)."""
+    return _deploy(serve_cluster, "tight", "/tight", {
+        "proposers": [],
+        "verifier": {**_VERIFIER, "max_num_seqs": 1, "max_model_len": 512, "max_waiting": 0,
+                     "resources": {"num_cpus": 0.5}},
+    })
+
+
+@pytest.fixture(scope="session")
+def autoscale_app(serve_cluster) -> ServedApp:
+    """Proposers autoscale 1..2 at one sequence per replica; the verifier is fixed."""
+    return _deploy(serve_cluster, "auto", "/auto", {
+        "proposers": [{"method": "ngram", "resources": {"num_cpus": 0.25}, "autoscaling": {
+            "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+            "upscale_delay_s": 0.0, "downscale_delay_s": 2.0, "look_back_period_s": 1.0}}],
+        "verifier": {**_VERIFIER, "max_num_seqs": 4, "max_model_len": 512, "max_waiting": 4,
+                     "resources": {"num_cpus": 0.5}},
+        "controller": {"policy": "static", "k": 4},
+    })

@@ -1,0 +1,394 @@
+"""The service on a real local Ray cluster: OpenAI HTTP (the `openai` client) and gRPC.
+
+Expected outputs come from the in-process engine with speculation off, i.e. plain greedy
+decoding, which tests/verifier/test_exactness.py checks against HF transformers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from protos.splitspec.v1 import generate_pb2, generate_pb2_grpc
+
+pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 40
+
+
+# ---------------------------------------------------------------------- references
+@pytest.fixture(scope="module")
+def greedy(model, tokenizer):
+    """greedy(list of prompt id lists, max_tokens) -> list of output id lists (plain decoding)."""
+    from verifier.engine import Engine, EngineConfig
+    from verifier.policy import OffPolicy
+    from verifier.sampling_params import SamplingParams
+
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=10, max_model_len=1024), None, OffPolicy())
+    cache: dict[tuple, list[int]] = {}
+
+    def run(prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+        todo = [p for p in prompts if (tuple(p), max_tokens) not in cache]
+        if todo:
+            results = engine.generate_sync(todo, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+            for p, r in zip(todo, results):
+                cache[(tuple(p), max_tokens)] = r.token_ids
+        return [cache[(tuple(p), max_tokens)] for p in prompts]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def edit_conversations():
+    from cluster.workloads import load_conversations
+
+    return load_conversations("code_edit")[:2]
+
+
+def _text(tokenizer, ids: list[int]) -> str:
+    """The text of an output: EOS ends it and is not part of it (as in OpenAI's API)."""
+    if ids and ids[-1] in tokenizer.eos_token_ids:
+        ids = ids[:-1]
+    return tokenizer.decode(ids)
+
+
+def _client(app, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=app.base_url, api_key="unused", timeout=120, **kw)
+
+
+def _parallel(fn, items):
+    with concurrent.futures.ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def _stream_completion(client, stream_kw) -> tuple[str, list[int], dict, dict | None]:
+    """Consume a streamed completion or chat completion: text, token ids, usage, speculation."""
+    text, ids, usage, spec = [], [], None, None
+    for chunk in stream_kw:
+        extra = chunk.model_extra or {}
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+            spec = extra.get("speculation")
+        for choice in chunk.choices:
+            piece = getattr(choice, "text", None)
+            if piece is None and getattr(choice, "delta", None) is not None:
+                piece = choice.delta.content
+            text.append(piece or "")
+            ids.extend((choice.model_extra or {}).get("token_ids") or [])
+    return "".join(text), ids, usage, spec
+
+
+# ---------------------------------------------------------------------- basics
+def test_health_and_models(main_app):
+    r = httpx.get(main_app.health_url, timeout=10)
+    assert r.status_code == 200
+    assert r.json()["ready"] is True and r.json()["proposers"] == {"ngram": 1}
+    models = _client(main_app).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+# ---------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("speculation", ["on", "off"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_http_greedy_equals_local_engine(main_app, tokenizer, greedy, edit_conversations, endpoint, stream, speculation):
+    client = _client(main_app)
+    common = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"speculation": {"mode": speculation}, "return_token_ids": True})
+    if stream:
+        common["stream"] = True
+        common["stream_options"] = {"include_usage": True}
+    if endpoint == "chat":
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in edit_conversations]
+        call = lambda c: client.chat.completions.create(messages=c, **common)  # noqa: E731
+        inputs = edit_conversations
+    else:  # the chat-rendered text as a raw prompt: the answer quotes the code
+        texts = [tokenizer.apply_chat_template(c) for c in edit_conversations]
+        prompts = [tokenizer.encode(t) for t in texts]
+        call = lambda t: client.completions.create(prompt=t, **common)  # noqa: E731
+        inputs = texts
+    expected = greedy(prompts)
+
+    def one(x):
+        r = call(x)
+        if stream:
+            return _stream_completion(client, r)
+        choice = r.choices[0]
+        text = choice.message.content if endpoint == "chat" else choice.text
+        return text, choice.model_extra["token_ids"], r.usage.model_dump(), r.model_extra["speculation"]
+
+    results = _parallel(one, inputs)
+    drafted = accepted = 0
+    for (text, ids, usage, spec), want, prompt in zip(results, expected, prompts):
+        assert ids == want
+        assert text == _text(tokenizer, want)
+        assert usage["prompt_tokens"] == len(prompt)
+        assert usage["completion_tokens"] == len(want)
+        assert spec["mode"] == speculation
+        drafted += spec["drafted"]
+        accepted += spec["accepted"]
+    if speculation == "off":
+        assert drafted == 0
+    else:  # the edit answers quote their prompts: the n-gram proposer must have helped
+        assert accepted > 0
+
+
+def _grpc_generate(app, request: generate_pb2.GenerateRequest, timeout: float = 120):
+    with grpc.insecure_channel(app.grpc) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        return list(stub.Generate(request, metadata=app.grpc_metadata, timeout=timeout))
+
+
+@pytest.mark.parametrize("speculation", ["on", "off"])
+def test_grpc_greedy_equals_local_engine(main_app, tokenizer, greedy, edit_conversations, speculation):
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in edit_conversations]
+    expected = greedy(prompts)
+
+    def one(conversation):
+        return _grpc_generate(main_app, generate_pb2.GenerateRequest(
+            model=MODEL, messages=generate_pb2.ChatMessages(messages=[
+                generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in conversation]),
+            max_tokens=MAX_TOKENS, temperature=0.0, speculation=generate_pb2.Speculation(mode=speculation),
+        ))
+
+    accepted = 0
+    for messages, want, prompt in zip(_parallel(one, edit_conversations), expected, prompts):
+        ids = [t for m in messages for t in m.token_ids]
+        assert ids == want
+        assert "".join(m.text for m in messages) == _text(tokenizer, want)
+        last = messages[-1]
+        assert last.finish_reason in ("stop", "length")
+        assert all(not m.finish_reason for m in messages[:-1])
+        assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == len(want)
+        accepted += last.speculation.accepted
+        if speculation == "off":
+            assert last.speculation.drafted == 0
+    if speculation == "on":
+        assert accepted > 0
+
+
+def test_grpc_prompt_token_ids(main_app, greedy):
+    prompt = [1, 4093, 314, 253, 1789, 30, 2]  # any in-vocabulary ids
+    messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+        prompt_token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=12, temperature=0.0))
+    assert [t for m in messages for t in m.token_ids] == greedy([prompt], 12)[0]
+
+
+# ---------------------------------------------------------------------- concurrency
+def test_ten_concurrent_streams(main_app, tokenizer, greedy):
+    from cluster.workloads import load_conversations
+
+    conversations = (load_conversations("chat") + load_conversations("code_edit"))[:10]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in conversations]
+    expected = greedy(prompts, 24)
+    client = _client(main_app)
+
+    def one(c):
+        return _stream_completion(client, client.chat.completions.create(
+            model=MODEL, messages=c, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"return_token_ids": True}))
+
+    results = _parallel(one, conversations)
+    assert len(results) == 10
+    for (text, ids, usage, _), want in zip(results, expected):
+        assert ids == want and text == _text(tokenizer, want)
+        assert usage["completion_tokens"] == len(want)
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, param", [
+    ({"prompt": "word " * 1100}, "prompt"),  # more tokens than max_model_len = 1024
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"model": "gpt-4"}, "model"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": 0}, "top_p"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"extra_body": {"speculation": {"mode": "sometimes"}}}, "speculation.mode"),
+    ({"extra_body": {"speculation": {"method": "eagle"}}}, "speculation.method"),
+    ({"max_tokens": 1000, "prompt": "word " * 100}, "max_tokens"),  # prompt + max_tokens > 1024
+])
+def test_bad_input_is_400_naming_the_field(main_app, kwargs, param):
+    client = _client(main_app, max_retries=0)
+    args = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**args)
+    error = info.value.body
+    assert error["param"] == param, error
+    assert error["message"].startswith(param), error
+
+
+def test_bad_chat_input_and_bad_json(main_app):
+    client = _client(main_app, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user"}], max_tokens=4)
+    assert info.value.body["param"] == "messages.0.content"
+    r = httpx.post(f"{main_app.base_url}/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+
+def test_grpc_bad_input_is_invalid_argument(main_app):
+    with pytest.raises(grpc.RpcError) as info:
+        _grpc_generate(main_app, generate_pb2.GenerateRequest(prompt="Hi", max_tokens=0))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("max_tokens")
+    with pytest.raises(grpc.RpcError) as info:
+        _grpc_generate(main_app, generate_pb2.GenerateRequest(model="other", prompt="Hi"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("model")
+
+
+# ---------------------------------------------------------------------- overload, disconnect
+def _open_stream(app, max_tokens: int):
+    """Start a streamed greedy completion; return (client, response) once its first chunk arrived."""
+    client = httpx.Client(timeout=120)
+    request = client.build_request("POST", f"{app.base_url}/completions", json={
+        "model": MODEL, "prompt": "Count from one to one hundred in words:", "max_tokens": max_tokens,
+        "temperature": 0, "stream": True, "ignore_eos": True})
+    response = client.send(request, stream=True)
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    for line in lines:
+        if line.startswith("data: "):
+            break
+    return client, response, lines
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_overload_is_429_with_retry_after(tight_app):
+    client, response, _ = _open_stream(tight_app, 200)  # holds the only slot
+    try:
+        r = httpx.post(f"{tight_app.base_url}/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        assert r.status_code == 429
+        assert int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(grpc.RpcError) as info:
+            _grpc_generate(tight_app, generate_pb2.GenerateRequest(prompt="Hello", max_tokens=4))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        response.close()
+        client.close()
+    # The disconnect freed the slot: a new request is served again.
+    verifier = tight_app.verifier()
+    _wait_for(lambda: verifier.stats.remote().result()["num_running"] == 0, 30, "the aborted request to leave")
+    r = httpx.post(f"{tight_app.base_url}/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    # No proposer configured: requests run without speculation.
+    assert r.json()["speculation"]["drafted"] == 0
+
+
+def test_disconnect_aborts_and_frees_kv(main_app):
+    verifier = main_app.verifier()
+    before = verifier.stats.remote().result()
+    assert before["num_running"] == 0
+    client, response, lines = _open_stream(main_app, 500)
+    try:
+        for _ in range(3):
+            next(lines)
+        stats = verifier.stats.remote().result()
+        assert stats["num_running"] == 1
+        assert stats["num_free_slots"] == stats["max_num_seqs"] - 1
+    finally:
+        response.close()
+        client.close()
+    after = _wait_for(lambda: (s := verifier.stats.remote().result())["num_running"] == 0 and s, 30,
+                      "the disconnected sequence to be aborted")
+    assert after["num_free_slots"] == after["max_num_seqs"]
+    assert after["num_waiting"] == 0
+    # Far fewer than the 500 tokens asked for were generated.
+    assert after["engine"]["num_output_tokens"] - before["engine"]["num_output_tokens"] < 400
+
+
+# ---------------------------------------------------------------------- proposer failure
+def test_killing_the_proposer_replica_loses_nothing(main_app, tokenizer, greedy):
+    from cluster.workloads import load_conversations
+
+    conversations = load_conversations("code_edit")[2:6]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in conversations]
+    expected = greedy(prompts, 96)
+    proposer = main_app.proposer()
+    old = proposer.info.remote().result()
+    verifier = main_app.verifier()
+    failures_before = verifier.stats.remote().result()["proposers"]["ngram"]["num_replica_failures"]
+    client = _client(main_app, max_retries=0)
+
+    def one(c):
+        r = client.chat.completions.create(model=MODEL, messages=c, max_tokens=96, temperature=0,
+                                           extra_body={"return_token_ids": True})
+        return r.choices[0].model_extra["token_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, c) for c in conversations]
+        _wait_for(lambda: verifier.stats.remote().result()["num_running"] == 4, 60, "4 running sequences")
+        time.sleep(1.0)
+        os.kill(old["pid"], signal.SIGKILL)  # a process of this test's own Ray cluster
+        results = [f.result(timeout=300) for f in futures]
+    assert results == expected
+    stats = verifier.stats.remote().result()["proposers"]["ngram"]
+    assert stats["num_replica_failures"] > failures_before
+    # Serve replaces the replica; the verifier discovers it and speculation resumes.
+    new = _wait_for(lambda: (i := proposer.info.remote().result())["pid"] != old["pid"] and i, 120,
+                    "Serve to restart the proposer replica")
+    assert new["address"] != old["address"]
+    _wait_for(lambda: verifier.stats.remote().result()["proposers"]["ngram"]["live"] == [new["address"]], 30,
+              "the verifier to route to the new replica")
+    r = client.chat.completions.create(model=MODEL, messages=conversations[0], max_tokens=48, temperature=0)
+    assert r.model_extra["speculation"]["accepted"] > 0
+
+
+# ---------------------------------------------------------------------- autoscaling
+def _running_replicas(app_name: str, deployment: str) -> int:
+    from ray import serve
+
+    states = serve.status().applications[app_name].deployments[deployment].replica_states
+    return states.get("RUNNING", 0)
+
+
+def test_proposers_autoscale_with_load_and_back(autoscale_app, tokenizer):
+    from cluster.workloads import load_conversations
+
+    verifier = autoscale_app.verifier()
+    verifier_replica = verifier.stats.remote().result()["replica_id"]
+    assert _running_replicas("auto", "Proposer-ngram") == 1
+    assert _running_replicas("auto", "Verifier") == 1
+    client = _client(autoscale_app, max_retries=0)
+    conversations = load_conversations("code_edit")[:4]
+
+    def one(c):
+        return client.chat.completions.create(model=MODEL, messages=c, max_tokens=300, temperature=0,
+                                              extra_body={"ignore_eos": True}).usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, c) for c in conversations]
+        _wait_for(lambda: _running_replicas("auto", "Proposer-ngram") == 2, 120,
+                  "the proposer deployment to scale up to 2 replicas")
+        live = _wait_for(lambda: len(l := verifier.stats.remote().result()["proposers"]["ngram"]["live"]) == 2 and l,
+                         30, "the verifier to route to both replicas")
+        assert len(set(live)) == 2
+        assert [f.result(timeout=300) for f in futures] == [300] * 4
+    assert _running_replicas("auto", "Verifier") == 1
+    _wait_for(lambda: _running_replicas("auto", "Proposer-ngram") == 1, 120,
+              "the proposer deployment to scale back down to 1 replica")
+    assert _running_replicas("auto", "Verifier") == 1
+    assert verifier.stats.remote().result()["replica_id"] == verifier_replica
