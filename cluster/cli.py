@@ -99,10 +99,10 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from cluster.config import load_config
+    from cluster.config import LOCAL_CONFIG_PATH, load_config
     from cluster.service import deploy, init_ray, start_serve, stop, wait_healthy
 
-    config = load_config(args.config)
+    config = load_config(args.config or LOCAL_CONFIG_PATH)
     api = config.api
     http_port = api.http_port if args.http_port is None else args.http_port
     grpc_port = api.grpc_port if args.grpc_port is None else args.grpc_port
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the service on a local Ray cluster (or join one with --address)")
     s.add_argument("config", nargs="?", default=None,
-                   help="YAML config (default: built-in defaults, the same as cluster/configs/local-cpu.yaml)")
+                   help="YAML config (default: cluster/configs/local-cpu.yaml)")
     s.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto or ray://host:10001) instead of starting one")
     s.add_argument("--http-port", type=int, default=None, help="OpenAI HTTP port (default: api.http_port; 0 = any free port)")
     s.add_argument("--grpc-port", type=int, default=None, help="gRPC Generate port (default: api.grpc_port; 0 = any free port)")
@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.engine_bench import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+
+    from cluster.serve_bench import add_parser as add_serve_bench_parser
+
+    add_serve_bench_parser(sub)
     return parser
 
 

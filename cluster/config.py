@@ -23,6 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from verifier.errors import SplitspecError
 
 
+#: What `splitspec serve` runs without a CONFIG argument: a 2-core laptop, bundled model.
+LOCAL_CONFIG_PATH = pathlib.Path(__file__).parent / "configs" / "local-cpu.yaml"
+
+
 class ConfigError(SplitspecError):
     """The configuration file is missing, not YAML, or fails validation."""
 

@@ -118,10 +118,17 @@ class RoutedProposalSource:
         for address, source in self._sources.items():
             if address not in batches and source.has_pending_releases and address in live:
                 batches[address] = []
-        if batches:
+        if len(batches) == 1:  # the common case: no task per round
+            (address, idx), = batches.items()
+            try:
+                answers = [await self._sources[address].propose([requests[i] for i in idx])]
+            except Exception as exc:
+                answers = [exc]
+        elif batches:
             answers = await asyncio.gather(*(
                 self._sources[a].propose([requests[i] for i in idx]) for a, idx in batches.items()
             ), return_exceptions=True)
+        if batches:
             for (address, idx), answer in zip(batches.items(), answers):
                 if isinstance(answer, BaseException):
                     self._mark_down(address, answer)

@@ -392,3 +392,51 @@ def test_proposers_autoscale_with_load_and_back(autoscale_app, tokenizer):
               "the proposer deployment to scale back down to 1 replica")
     assert _running_replicas("auto", "Verifier") == 1
     assert verifier.stats.remote().result()["replica_id"] == verifier_replica
+
+
+# ---------------------------------------------------------------------- the command
+@pytest.mark.slow
+def test_splitspec_serve_starts_answers_and_stops_on_sigterm(tmp_path):
+    """`splitspec serve CONFIG` on its own Ray cluster: prints the URLs, serves, and on
+    SIGTERM stops its application and its Ray processes and exits 0."""
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "proposers:\n  - {method: ngram, resources: {num_cpus: 0.25}}\n"
+        "verifier: {max_num_seqs: 2, max_model_len: 512, num_threads: 2, resources: {num_cpus: 0.5}}\n"
+        "api: {host: 127.0.0.1, http_port: 0, grpc_port: 0}\n"
+    )
+    env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-cli-", dir=tempfile.gettempdir()))
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(config)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def reader():
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops it" in line:
+                ready.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        assert ready.wait(240), "".join(lines[-30:])
+        health = next(line.split()[1] for line in lines if line.strip().startswith("health"))
+        assert httpx.get(health, timeout=10).status_code == 200
+        base = health.rsplit("/health", 1)[0] + "/v1"
+        r = httpx.post(f"{base}/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, "".join(lines[-30:])
+        assert any(line.strip() == "stopped" for line in lines)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(health, timeout=5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started
