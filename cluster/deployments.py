@@ -45,7 +45,7 @@ def served_model_name(config: SplitspecConfig) -> str:
 class ProposerReplica:
     """Hosts one proposal method behind `splitspec.v1.Proposer` (gRPC) in a Serve replica."""
 
-    def __init__(self, method: str, options: dict[str, Any], app_name: str) -> None:
+    def __init__(self, method: str, options: dict[str, Any]) -> None:
         from proposers.registry import build_proposer
 
         self.method = method
@@ -53,7 +53,7 @@ class ProposerReplica:
         context = serve.get_replica_context()
         self._deployment = context.deployment
         self._replica_id = context.replica_id.unique_id
-        self._directory = get_directory(app_name)
+        self._directory = get_directory(context.app_name)
         self.address: str | None = None
         self._error: BaseException | None = None
         self._ready = threading.Event()
@@ -112,7 +112,7 @@ class ProposerReplica:
 class VerifierReplica:
     """Runs the engine; streams `verifier.server` events to the ingress."""
 
-    async def __init__(self, config: dict[str, Any], app_name: str, *proposers) -> None:
+    async def __init__(self, config: dict[str, Any], *proposers) -> None:
         import torch
 
         from cluster.local import load_model_and_tokenizer
@@ -141,7 +141,7 @@ class VerifierReplica:
         self.server = VerifierServer(engine, served_model_name(cfg), methods,
                                      speculate_by_default=cfg.controller.policy != "off")
         self._seen = {m: False for m in methods}
-        self._directory = get_directory(app_name) if methods else None
+        self._directory = get_directory(serve.get_replica_context().app_name) if methods else None
         if methods:
             await self._discover()
         self._discovery = asyncio.get_running_loop().create_task(self._discovery_loop())
@@ -203,8 +203,8 @@ def _actor_options(resources: ResourcesConfig) -> dict[str, Any]:
     return {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
 
 
-def build_app(config: SplitspecConfig, app_name: str = "splitspec"):
-    """The Serve application for `config` (`serve.run(build_app(cfg), name=app_name)`)."""
+def build_app(config: SplitspecConfig):
+    """The Serve application for `config` (`serve.run(build_app(cfg), name=...)`)."""
     from cluster.ingress import Ingress
 
     proposer_apps = []
@@ -218,7 +218,7 @@ def build_app(config: SplitspecConfig, app_name: str = "splitspec"):
             graceful_shutdown_timeout_s=2.0,
             **_scaling_options(p.replicas, p.autoscaling, custom_policy=True),
         )
-        proposer_apps.append(deployment.bind(p.method, dict(p.options), app_name))
+        proposer_apps.append(deployment.bind(p.method, dict(p.options)))
     v = config.verifier
     per_replica = v.max_num_seqs + v.max_waiting
     verifier = serve.deployment(VerifierReplica).options(
@@ -228,7 +228,7 @@ def build_app(config: SplitspecConfig, app_name: str = "splitspec"):
         max_ongoing_requests=per_replica + 8,
         graceful_shutdown_timeout_s=5.0,
         **_scaling_options(v.replicas, v.autoscaling, custom_policy=False),
-    ).bind(config.model_dump(mode="json"), app_name, *proposer_apps)
+    ).bind(config.model_dump(mode="json"), *proposer_apps)
     max_verifiers = v.autoscaling.max_replicas if v.autoscaling else v.replicas
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
@@ -237,3 +237,19 @@ def build_app(config: SplitspecConfig, app_name: str = "splitspec"):
         graceful_shutdown_timeout_s=5.0,
     ).bind(verifier, served_model_name(config), v.max_model_len)
     return ingress
+
+
+def app_builder(args: dict[str, Any]):
+    """Serve application builder, for `serve run` and KubeRay's `serveConfigV2`:
+
+        import_path: cluster.deployments:app_builder
+        args: {config: path/to/config.yaml}      # or the config's sections inline
+
+    Ports in the config's `api` section do not apply here: Serve's own `http_options` and
+    `grpc_options` set them (list the servicer `GENERATE_SERVICER` of `cluster.ingress`).
+    """
+    from cluster.config import load_config
+
+    if "config" in args:
+        return build_app(load_config(args["config"]))
+    return build_app(SplitspecConfig.model_validate(dict(args)))

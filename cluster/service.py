@@ -58,7 +58,7 @@ def deploy(config: SplitspecConfig, app_name: str = "splitspec", route_prefix: s
 
     from cluster.deployments import build_app
 
-    serve.run(build_app(config, app_name), name=app_name, route_prefix=route_prefix, blocking=False)
+    serve.run(build_app(config), name=app_name, route_prefix=route_prefix, blocking=False)
 
 
 def wait_healthy(url: str, timeout_s: float = 120.0) -> dict:

@@ -8,6 +8,7 @@ stream per verifier replica; each message is one round for a batch of sequences.
 from __future__ import annotations
 
 import logging
+import time
 from importlib import metadata
 
 import grpc
@@ -31,8 +32,13 @@ def _version() -> str:
 
 class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
     def __init__(self, source: ProposalSource, max_k: int, needs_hidden_states: bool = False,
-                 tokenizer: proposer_pb2.TokenizerFingerprint | None = None) -> None:
+                 tokenizer: proposer_pb2.TokenizerFingerprint | None = None, idle_ttl_s: float = 600.0) -> None:
         self._source = source
+        # Sequences no round mentioned for idle_ttl_s are dropped: their verifier died
+        # without releasing them (a live one releases every finished sequence).
+        self._idle_ttl_s = idle_ttl_s
+        self._last_seen: dict[str, float] = {}
+        self._next_sweep = time.monotonic() + idle_ttl_s
         self.info = proposer_pb2.InfoResponse(
             method=source.method, max_k=max_k, needs_hidden_states=needs_hidden_states,
             tokenizer=tokenizer, server_version=_version(),
@@ -43,8 +49,15 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
 
     async def Propose(self, request_iterator, context):
         async for message in request_iterator:
+            now = time.monotonic()
             if message.released_seq_ids:
                 self._source.release(list(message.released_seq_ids))
+                for seq_id in message.released_seq_ids:
+                    self._last_seen.pop(seq_id, None)
+            for s in message.sequences:
+                self._last_seen[s.seq_id] = now
+            if now >= self._next_sweep:
+                self._sweep(now)
             requests = [
                 ProposalRequest(
                     seq_id=s.seq_id,
@@ -72,6 +85,16 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                     draft_probs=probs, vocab_size=vocab, resync=p.resync,
                 ))
             yield proposer_pb2.ProposeResponse(round_id=message.round_id, sequences=drafts)
+
+
+    def _sweep(self, now: float) -> None:
+        stale = [seq_id for seq_id, seen in self._last_seen.items() if now - seen > self._idle_ttl_s]
+        if stale:
+            logger.info("proposer %s: dropping %d sequences idle for %.0f s", self.info.method, len(stale), self._idle_ttl_s)
+            self._source.release(stale)
+            for seq_id in stale:
+                del self._last_seen[seq_id]
+        self._next_sweep = now + min(self._idle_ttl_s, 10.0)
 
 
 async def start_server(servicer: ProposerServicer, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:

@@ -51,6 +51,52 @@ def test_info_and_a_round_trip():
     asyncio.run(run())
 
 
+class _RefusesSeq:
+    """An n-gram proposer that rejects one seq_id's deltas as malformed (ValueError)."""
+
+    method = "ngram"
+
+    def __init__(self, bad: str) -> None:
+        self.inner, self.bad = NgramProposer(), bad
+
+    async def propose(self, requests):
+        if any(r.seq_id == self.bad for r in requests):
+            raise ValueError(f"malformed delta for {self.bad}")
+        return await self.inner.propose(requests)
+
+    def release(self, seq_ids):
+        self.inner.release(seq_ids)
+
+
+def test_idle_sequences_are_dropped_and_bad_deltas_resync():
+    """A sequence no round mentions for idle_ttl_s is forgotten (its verifier died); a
+    malformed delta is answered with resync and the stream stays open."""
+    async def run():
+        source = _RefusesSeq("bad")
+        proposer = source.inner
+        server, port = await start_server(ProposerServicer(source, max_k=8, idle_ttl_s=0.2))
+        client = GrpcProposalSource(f"127.0.0.1:{port}", method="ngram", deadline_s=1.0)
+        ctx = np.array([5, 6, 7, 8, 5, 6], dtype=np.int32)
+        try:
+            await client.propose([ProposalRequest("a", 0, ctx, k=2), ProposalRequest("b", 0, ctx, k=2)])
+            assert proposer.num_sequences == 2
+            await asyncio.sleep(0.1)
+            await client.propose([ProposalRequest("b", 6, ctx[:0], k=2)])
+            await asyncio.sleep(0.15)  # "a" idle 0.25 s > 0.2 s, "b" idle 0.15 s
+            await client.propose([ProposalRequest("c", 0, ctx, k=2)])
+            assert proposer.context_token_ids("a") is None
+            assert proposer.context_token_ids("b") is not None and proposer.num_sequences == 2
+            p = await client.propose([ProposalRequest("bad", 0, ctx, k=2), ProposalRequest("c", 6, ctx[:0], k=2)])
+            assert all(x.resync and x.draft_token_ids.size == 0 for x in p)
+            (p,) = await client.propose([ProposalRequest("c", 0, ctx, k=2)])  # same stream still works
+            assert p.draft_token_ids.tolist() == [7, 8]
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    asyncio.run(run())
+
+
 def test_engine_over_grpc_is_exact(model, tokenizer, prompts, expected):
     async def run():
         server, port = await start_server(ProposerServicer(NgramProposer(), max_k=8))
