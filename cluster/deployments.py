@@ -194,6 +194,8 @@ def _scaling_options(replicas: int, autoscaling: AutoscalingConfig | None, custo
     if autoscaling is None:
         return {"num_replicas": replicas}
     a = autoscaling.model_dump()
+    # Serve still validates its deprecated scrape period against the look-back window.
+    a["metrics_interval_s"] = min(10.0, a["look_back_period_s"] / 2)
     if custom_policy:
         a["policy"] = {"policy_function": POLICY_PATH}
     return {"autoscaling_config": a}

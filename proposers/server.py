@@ -62,7 +62,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                 ProposalRequest(
                     seq_id=s.seq_id,
                     base_len=s.base_len,
-                    append_token_ids=np.asarray(s.append_token_ids, dtype=np.int32),
+                    append_token_ids=np.fromiter(s.append_token_ids, np.int32, len(s.append_token_ids)),
                     k=s.k,
                     temperature=s.temperature,
                 )

@@ -109,7 +109,7 @@ def _to_proposals(requests: Sequence[ProposalRequest], response: proposer_pb2.Pr
         if d is None:  # an answer without this sequence: nothing to verify this round
             proposals.append(Proposal(r.seq_id, np.zeros(0, np.int32)))
             continue
-        drafts = np.asarray(d.draft_token_ids, dtype=np.int32)
+        drafts = np.fromiter(d.draft_token_ids, np.int32, len(d.draft_token_ids))
         probs = None
         if d.draft_probs:
             probs = np.frombuffer(d.draft_probs, dtype="<f4").reshape(drafts.size, d.vocab_size)

@@ -395,6 +395,32 @@ def test_proposers_autoscale_with_load_and_back(autoscale_app, tokenizer):
 
 
 # ---------------------------------------------------------------------- the command
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of `pid` (from /proc)."""
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in os.listdir(f"/proc/{p}/task") if os.path.isdir(f"/proc/{p}/task") else []:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            for c in children:
+                if c not in found:
+                    found.add(c)
+                    todo.append(c)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 def test_splitspec_serve_starts_answers_and_stops_on_sigterm(tmp_path):
     """`splitspec serve CONFIG` on its own Ray cluster: prints the URLs, serves, and on
@@ -432,8 +458,11 @@ def test_splitspec_serve_starts_answers_and_stops_on_sigterm(tmp_path):
         r = httpx.post(f"{base}/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+        started = _descendants(proc.pid)  # Ray's GCS, raylet, workers, ...
+        assert len(started) >= 3
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, "".join(lines[-30:])
+        _wait_for(lambda: not [p for p in started if _alive(p)], 60, "the Ray processes it started to exit")
         assert any(line.strip() == "stopped" for line in lines)
         with pytest.raises(httpx.TransportError):
             httpx.get(health, timeout=5)

@@ -155,31 +155,62 @@ def test_unreachable_proposer_raises_within_the_deadline():
     assert asyncio.run(run()) < 2.0
 
 
-def test_round_trip_latency_is_reported():
-    """Not a timed assertion: prints p50/p99 of one batched round (8 sequences) on loopback."""
-
-    async def run():
+def _serve_ngram_forever(port_queue) -> None:
+    """Child process: an n-gram proposer server, as a proposer replica runs it."""
+    async def main():
         server, port = await start_server(ProposerServicer(NgramProposer(), max_k=8))
-        client = GrpcProposalSource(f"127.0.0.1:{port}", method="ngram", deadline_s=1.0)
+        port_queue.put(port)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def test_round_trip_latency_is_reported():
+    """Not a timed assertion: prints p50/p99 of one batched round (8 sequences, 300-token
+    contexts, 2 new tokens each per round, k = 4) on loopback, with the server in its own
+    process as in a deployment, through the plain stream client and through the router."""
+    import multiprocessing
+
+    from verifier.routing import RoutedProposalSource
+
+    ctx = multiprocessing.get_context("spawn")
+    ports = ctx.Queue()
+    child = ctx.Process(target=_serve_ngram_forever, args=(ports,), daemon=True)
+    child.start()
+
+    async def run(client, tag):
         rng = np.random.default_rng(0)
-        contexts = {f"s{i}": rng.integers(0, 500, 300).astype(np.int32) for i in range(8)}
+        contexts = {f"{tag}{i}": rng.integers(0, 500, 300).astype(np.int32) for i in range(8)}
         synced = {s: 0 for s in contexts}
         times = []
-        for step in range(300):
+        for step in range(400):
             reqs = []
-            for s, ctx in contexts.items():
-                contexts[s] = ctx = np.append(ctx, rng.integers(0, 500, 2).astype(np.int32))
-                reqs.append(ProposalRequest(s, synced[s], ctx[synced[s]:], k=4))
-                synced[s] = len(ctx)
+            for s, c in contexts.items():
+                contexts[s] = c = np.append(c, rng.integers(0, 500, 2).astype(np.int32))
+                reqs.append(ProposalRequest(s, synced[s], c[synced[s]:], k=4))
+                synced[s] = len(c)
             t = time.perf_counter()
             proposals = await client.propose(reqs)
             times.append(time.perf_counter() - t)
             assert not any(p.resync for p in proposals)
         await client.close()
-        await server.stop(0)
-        return times
+        return sorted(times[20:])
 
-    times = sorted(asyncio.run(run())[20:])
-    p50, p99 = statistics.median(times), times[int(0.99 * len(times)) - 1]
-    print(f"proposer round trip, 8 sequences, loopback: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
-    assert p50 > 0
+    async def routed(address):
+        router = RoutedProposalSource("ngram", deadline_s=1.0)
+        await router.set_replicas([address])
+        return await run(router, "r")
+
+    try:
+        address = f"127.0.0.1:{ports.get(timeout=60)}"
+        for label, times in (
+            ("stream client", asyncio.run(run(GrpcProposalSource(address, method="ngram", deadline_s=1.0), "s"))),
+            ("router", asyncio.run(routed(address))),
+        ):
+            p50, p99 = statistics.median(times), times[int(0.99 * len(times)) - 1]
+            print(f"proposer round trip ({label}), 8 sequences, server in another process, loopback: "
+                  f"p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
+            assert p50 > 0
+    finally:
+        child.kill()  # the process this test started
+        child.join(10)
