@@ -171,7 +171,8 @@ class VerifierReplica:
         out["replica_id"] = serve.get_replica_context().replica_id.unique_id
         out["pid"] = os.getpid()
         out["proposers"] = {
-            m: {"replicas": r.addresses, "live": r.live_addresses(), **r.stats.__dict__} for m, r in self._routers.items()
+            m: {"replicas": r.addresses, "live": r.live_addresses(), "refused": dict(r.refused), **r.stats.__dict__}
+            for m, r in self._routers.items()
         }
         return out
 

@@ -55,10 +55,14 @@ class RouterStats:
 class RoutedProposalSource:
     """Route each sequence to one proposer replica; see the module docstring."""
 
-    def __init__(self, method: str, deadline_s: float = 0.1, cooldown_s: float = 2.0) -> None:
+    def __init__(self, method: str, deadline_s: float = 0.1, cooldown_s: float = 2.0,
+                 info_timeout_s: float = 2.0) -> None:
         self.method = method
         self.deadline_s = deadline_s
         self.cooldown_s = cooldown_s
+        self.info_timeout_s = info_timeout_s
+        #: address -> why it was refused (e.g. another method behind it)
+        self.refused: dict[str, str] = {}
         self.stats = RouterStats()
         self._sources: dict[str, GrpcProposalSource] = {}
         self._down_until: dict[str, float] = {}
@@ -74,20 +78,43 @@ class RoutedProposalSource:
         return sorted(a for a in self._sources if self._down_until.get(a, 0.0) <= now)
 
     async def set_replicas(self, addresses: Sequence[str]) -> bool:
-        """Make `addresses` the replica set; return True when it changed."""
+        """Make `addresses` the replica set; return True when it changed.
+
+        A new replica is asked for its `Info` first; one that serves another method is
+        refused (logged once, listed in `refused`) and never gets traffic. One that does
+        not answer `Info` yet is taken anyway: its rounds fail open until it does.
+        """
         new = set(addresses)
-        old = set(self._sources)
+        old = set(self._sources) | set(self.refused)
         if new == old:
             return False
         for address in old - new:
-            source = self._sources.pop(address)
+            self.refused.pop(address, None)
+            source = self._sources.pop(address, None)
             self._down_until.pop(address, None)
-            await source.close()
+            if source is not None:
+                await source.close()
         for address in new - old:
-            self._sources[address] = GrpcProposalSource(address, self.method, self.deadline_s)
+            source = GrpcProposalSource(address, self.method, self.deadline_s)
+            reason = await self._incompatibility(source)
+            if reason is not None:
+                logger.error("refusing proposer replica at %s: %s", address, reason)
+                self.refused[address] = reason
+                await source.close()
+                continue
+            self._sources[address] = source
         self.stats.num_replica_set_changes += 1
-        logger.info("proposer %s replicas: %s", self.method, sorted(new))
+        logger.info("proposer %s replicas: %s", self.method, sorted(self._sources))
         return True
+
+    async def _incompatibility(self, source: GrpcProposalSource) -> str | None:
+        try:
+            info = await source.info(timeout_s=self.info_timeout_s)
+        except Exception:  # not answering yet: fail open, rounds will tell
+            return None
+        if info.method != self.method:
+            return f"it serves method {info.method!r}, this deployment expects {self.method!r}"
+        return None
 
     # ------------------------------------------------------------------ rounds
     async def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:

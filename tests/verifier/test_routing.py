@@ -296,6 +296,31 @@ def test_a_new_replica_takes_over_only_the_sequences_it_wins():
     asyncio.run(run())
 
 
+def test_a_replica_serving_another_method_is_refused():
+    async def run():
+        replicas = await _start_replicas(1)
+        other = CountingSource()
+        other.method = "draft"
+        server, port = await start_server(ProposerServicer(other, max_k=8), "127.0.0.1", 0)
+        wrong = f"127.0.0.1:{port}"
+        router = RoutedProposalSource("ngram", deadline_s=1.0)
+        try:
+            assert await router.set_replicas([replicas[0].address, wrong])
+            assert router.addresses == [replicas[0].address]
+            assert "'draft'" in router.refused[wrong] and "'ngram'" in router.refused[wrong]
+            assert not await router.set_replicas([replicas[0].address, wrong])  # not asked again
+            requests = [_request(f"seq-{j}", j, 0, 8) for j in range(4)]
+            await router.propose(requests)
+            assert other.calls == [] and len(replicas[0].source.calls) == 1
+            assert await router.set_replicas([replicas[0].address])  # gone: forgotten
+            assert router.refused == {}
+        finally:
+            await server.stop(0)
+            await _shutdown(router, replicas)
+
+    asyncio.run(run())
+
+
 def test_release_reaches_the_owner():
     async def run():
         replicas = await _start_replicas(2)
