@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import statistics
-import time
 
 import grpc
 import numpy as np
@@ -363,39 +361,3 @@ def test_release_reaches_the_owner():
             await _shutdown(router, replicas)
 
     asyncio.run(run())
-
-
-def test_routed_round_trip_latency_is_reported():
-    """Not a timed assertion: prints p50/p99 of a routed round (8 sequences, 1 replica)."""
-
-    async def run():
-        replicas = await _start_replicas(1)
-        router = RoutedProposalSource("ngram", deadline_s=2.0, cooldown_s=60.0)
-        try:
-            await router.set_replicas([replicas[0].address])
-            rng = np.random.default_rng(0)
-            contexts = {f"s{i}": rng.integers(0, 500, 300).astype(np.int32) for i in range(8)}
-            synced = dict.fromkeys(contexts, 0)
-            times = []
-            for _ in range(200):
-                requests = []
-                for s, ctx in contexts.items():
-                    contexts[s] = ctx = np.append(ctx, rng.integers(0, 500, 2).astype(np.int32))
-                    requests.append(ProposalRequest(s, synced[s], ctx[synced[s]:], k=4))
-                    synced[s] = len(ctx)
-                t = time.perf_counter()
-                proposals = await router.propose(requests)
-                times.append(time.perf_counter() - t)
-                assert len(proposals) == 8 and not any(p.resync for p in proposals)
-            assert router.stats.num_replica_failures == 0
-            assert replicas[0].source.inner.num_sequences == 8
-            for s, ctx in contexts.items():
-                assert np.array_equal(replicas[0].source.inner.context_token_ids(s), ctx)
-            return times
-        finally:
-            await _shutdown(router, replicas)
-
-    times = sorted(asyncio.run(run())[10:])  # the first rounds open the stream
-    p50, p99 = statistics.median(times), times[int(0.99 * len(times)) - 1]
-    print(f"\nrouted proposer RPC, batch 8: p50 {p50 * 1e3:.2f} ms p99 {p99 * 1e3:.2f} ms")
-    assert p50 > 0
