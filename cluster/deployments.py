@@ -27,6 +27,9 @@ from cluster.discovery import HEARTBEAT_S, get_directory
 
 logger = logging.getLogger(__name__)
 
+#: How often a replica pushes its autoscaling metrics (Serve reads it at process start).
+PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
+
 #: Verifier poll period of the proposer directory.
 DISCOVERY_PERIOD_S = 0.5
 
@@ -212,9 +215,15 @@ def build_app(config: SplitspecConfig):
 
     proposer_apps = []
     for p in config.proposers:
+        actor_options = _actor_options(p.resources)
+        if p.autoscaling is not None:
+            # Report load twice per look-back window (Serve's default push is every 10 s,
+            # read from the environment when the replica process starts).
+            push_s = max(0.5, min(10.0, p.autoscaling.look_back_period_s / 2))
+            actor_options["runtime_env"] = {"env_vars": {PUSH_INTERVAL_ENV: str(push_s)}}
         deployment = serve.deployment(ProposerReplica).options(
             name=f"Proposer-{p.method}",
-            ray_actor_options=_actor_options(p.resources),
+            ray_actor_options=actor_options,
             # Proposer traffic is gRPC; Serve only sees health checks and info calls.
             max_ongoing_requests=16,
             health_check_period_s=2.0,

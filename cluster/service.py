@@ -14,11 +14,6 @@ from cluster.config import SplitspecConfig
 
 logger = logging.getLogger(__name__)
 
-#: Proposer replicas push their load to the Serve controller this often (Serve's default,
-#: 10 s, makes autoscaling sluggish). Read when Ray starts its worker processes.
-METRIC_PUSH_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now (bind port 0, read it, release it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -82,8 +77,6 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    for key, value in METRIC_PUSH_ENV.items():
-        os.environ.setdefault(key, value)
     if address:
         ray.init(address=address, log_to_driver=False)
     else:

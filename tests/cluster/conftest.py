@@ -53,14 +53,11 @@ def serve_cluster(tmp_path_factory):
     import ray
     from ray import serve
 
-    from cluster.service import METRIC_PUSH_ENV, start_serve
+    from cluster.service import start_serve
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     # Short socket paths: Ray's temp dir must stay well under the 107-byte AF_UNIX limit.
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-", dir=tempfile.gettempdir())
-    # Proposer load reaches the autoscaler quickly (read when Ray starts its workers).
-    os.environ.update(METRIC_PUSH_ENV)
-    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         http_port, grpc_port = start_serve(HOST, 0, 0)

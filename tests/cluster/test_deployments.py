@@ -40,6 +40,9 @@ def test_graph_resources_and_autoscaling_follow_the_config():
     auto = proposer._deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 2, 4)
     assert auto.policy.policy_function == "cluster.autoscaling:proposer_load_policy"
+    # Load is pushed twice per look-back window (10 s in this config).
+    assert proposer.ray_actor_options["runtime_env"]["env_vars"] == {
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "5.0"}
     verifier = deps["Verifier"]
     assert verifier.ray_actor_options["num_cpus"] == 1
     assert verifier._deployment_config.autoscaling_config is None and verifier.num_replicas == 1
