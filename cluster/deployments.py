@@ -118,15 +118,13 @@ class VerifierReplica:
     async def __init__(self, config: dict[str, Any], *proposers) -> None:
         import torch
 
-        from cluster.local import load_model_and_tokenizer
-        from verifier.engine import Engine, EngineConfig
-        from verifier.policy import OffPolicy, StaticPolicy
+        from cluster.local import engine_from_config, load_model_and_tokenizer, verifier_threads
         from verifier.routing import RoutedProposalSource
         from verifier.server import VerifierServer
 
         cfg = SplitspecConfig.model_validate(config)
         v = cfg.verifier
-        threads = v.num_threads or (os.cpu_count() if v.resources.num_gpus == 0 else None)
+        threads = verifier_threads(v)
         if threads:
             torch.set_num_threads(threads)
         model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.tokenizer, cfg.model.dtype)
@@ -136,11 +134,7 @@ class VerifierReplica:
             m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0) for m in self._proposer_deployments
         }
         methods = tuple(self._routers)
-        proposer = self._routers[methods[0]] if methods else None
-        policy = StaticPolicy(cfg.controller.k) if proposer is not None and cfg.controller.k > 0 else OffPolicy()
-        engine = Engine(model, tokenizer, EngineConfig(
-            max_num_seqs=v.max_num_seqs, max_model_len=v.max_model_len, max_waiting=v.max_waiting,
-        ), proposer, policy)
+        engine = engine_from_config(cfg, model, tokenizer, self._routers[methods[0]] if methods else None)
         self.server = VerifierServer(engine, served_model_name(cfg), methods,
                                      speculate_by_default=cfg.controller.policy != "off")
         self._seen = {m: False for m in methods}

@@ -353,17 +353,16 @@ class Ingress:
         if which is None:
             raise ApiError(400, "prompt: give one of prompt, messages, prompt_token_ids", "prompt")
         spec = r.speculation
-        fields = dict(
-            request_id=rid,
-            max_tokens=r.max_tokens if r.HasField("max_tokens") else 16,
-            temperature=r.temperature if r.HasField("temperature") else 1.0,
-            top_p=r.top_p if r.HasField("top_p") else 1.0,
-            top_k=r.top_k if r.HasField("top_k") else 0,
-            seed=r.seed if r.HasField("seed") else None,
-            stop=tuple(r.stop), ignore_eos=r.ignore_eos,
+        # Unset optional fields keep GenerateInput's defaults; max_tokens defaults to 16 as
+        # in /v1/completions.
+        fields: dict[str, Any] = dict(
+            request_id=rid, max_tokens=16, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
             speculation_mode=spec.mode or "auto", speculation_method=spec.method or None,
-            speculation_max_k=spec.max_k if spec.HasField("max_k") else None,
         )
+        fields.update({name: getattr(r, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+                       if r.HasField(name)})
+        if spec.HasField("max_k"):
+            fields["speculation_max_k"] = spec.max_k
         if which == "prompt":
             return GenerateInput(prompt=r.prompt, **fields)
         if which == "messages":

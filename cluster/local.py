@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 
+from cluster.config import SplitspecConfig, VerifierConfig
+from protos.proposal import ProposalSource
 from proposers.registry import build_proposer
 from verifier.engine import Engine, EngineConfig
 from verifier.models.bundled import bundled_model_path
@@ -58,3 +61,22 @@ def build_local_engine(spec: LocalEngineSpec) -> Engine:
     if spec.speculation == OFF or spec.k == 0:
         return Engine(model, tokenizer, config, None, OffPolicy())
     return Engine(model, tokenizer, config, build_proposer(spec.speculation), StaticPolicy(spec.k))
+
+
+def verifier_threads(verifier: VerifierConfig) -> int | None:
+    """torch threads of a verifier replica: as configured, else every core of the machine on
+    a CPU-only replica, else None (leave Ray's default)."""
+    return verifier.num_threads or (os.cpu_count() if verifier.resources.num_gpus == 0 else None)
+
+
+def engine_from_config(config: SplitspecConfig, model: LlamaModel, tokenizer: Tokenizer,
+                       proposer: ProposalSource | None) -> Engine:
+    """The engine a verifier replica runs for `config`, drafting with `proposer` (the first
+    configured method). Controller policy `off` keeps the static k here: the request front
+    then gives `mode: auto` requests max_k = 0, so that `mode: on` can still speculate."""
+    v = config.verifier
+    k = config.controller.k
+    policy = StaticPolicy(k) if proposer is not None and k > 0 else OffPolicy()
+    return Engine(model, tokenizer, EngineConfig(
+        max_num_seqs=v.max_num_seqs, max_model_len=v.max_model_len, max_waiting=v.max_waiting,
+    ), proposer, policy)

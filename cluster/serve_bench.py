@@ -42,12 +42,12 @@ def _http_run(base_url: str, model: str, conversations, max_tokens: int):
     return outputs, time.perf_counter() - start, accepted, drafted
 
 
-def _local_run(engine, prompts, max_tokens: int):
+def _local_run(engine, prompts, max_tokens: int, max_k: int | None):
     from verifier.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     start = time.perf_counter()
-    results = [engine.generate_sync([p], params)[0] for p in prompts]
+    results = [engine.generate_sync([p], params, max_k=max_k)[0] for p in prompts]
     wall = time.perf_counter() - start
     return ([r.token_ids for r in results], wall, sum(r.stats.accepted for r in results),
             sum(r.stats.drafted for r in results))
@@ -58,35 +58,35 @@ def run(args: argparse.Namespace) -> dict:
 
     from cluster.config import LOCAL_CONFIG_PATH, load_config
     from cluster.deployments import served_model_name
-    from cluster.local import load_model_and_tokenizer
+    from cluster.local import engine_from_config, load_model_and_tokenizer, verifier_threads
     from cluster.service import deploy, init_ray, start_serve, stop, wait_healthy
     from cluster.workloads import load_conversations
     from proposers.registry import build_proposer
-    from verifier.engine import Engine, EngineConfig
-    from verifier.policy import OffPolicy, StaticPolicy
 
     config = load_config(args.config or LOCAL_CONFIG_PATH)
-    v = config.verifier
     conversations = load_conversations(args.workload)[: args.requests]
     model, tokenizer = load_model_and_tokenizer(config.model.path, config.model.tokenizer, config.model.dtype)
-    threads = v.num_threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
+    # The same threads as the verifier replica computes for itself on this machine.
+    threads = verifier_threads(config.verifier)
+    if threads:
+        torch.set_num_threads(threads)
     proposer = build_proposer(config.proposers[0].method, dict(config.proposers[0].options)) if config.proposers else None
-    k = config.controller.k if config.controller.policy != "off" else 0
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=v.max_num_seqs, max_model_len=v.max_model_len),
-                    proposer if k else None, StaticPolicy(k) if proposer and k else OffPolicy())
+    engine = engine_from_config(config, model, tokenizer, proposer)
+    # As the request front does for `mode: auto` under controller policy `off`.
+    max_k = 0 if config.controller.policy == "off" else None
+    k = config.controller.k if proposer is not None and max_k is None else 0
     prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in conversations]
 
     init_ray(None)
     rows = []
     try:
         http_port, _ = start_serve("127.0.0.1", 0, 0)
-        deploy(config.model_copy(update={"verifier": v.model_copy(update={"num_threads": threads})}))
+        deploy(config)
         wait_healthy(f"http://127.0.0.1:{http_port}/health")
         base = f"http://127.0.0.1:{http_port}/v1"
         name = served_model_name(config)
         _http_run(base, name, conversations[:1], 8)  # warm-up: connections, first-call costs
-        _local_run(engine, prompts[:1], 8)
+        _local_run(engine, prompts[:1], 8, max_k)
         for repeat in range(args.repeats):
             order = ("http", "local") if repeat % 2 == 0 else ("local", "http")
             got = {}
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
                 if mode == "http":
                     got[mode] = _http_run(base, name, conversations, args.max_tokens)
                 else:
-                    got[mode] = _local_run(engine, prompts, args.max_tokens)
+                    got[mode] = _local_run(engine, prompts, args.max_tokens, max_k)
             row = {"repeat": repeat}
             for mode, (outputs, wall, accepted, drafted) in got.items():
                 tokens = sum(len(o) for o in outputs)
@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> dict:
     ratios = [r["ratio_http_over_local"] for r in rows]
     return {
         "workload": args.workload, "requests": len(conversations), "max_tokens": args.max_tokens,
-        "speculation": f"{config.proposers[0].method}:k={k}" if proposer and k else "off",
-        "torch_threads": threads, "rows": rows,
+        "speculation": f"{config.proposers[0].method}:k={k}" if k else "off",
+        "torch_threads": torch.get_num_threads(), "rows": rows,
         "median_http_tokens_per_s": statistics.median(r["http"]["tokens_per_s"] for r in rows),
         "median_local_tokens_per_s": statistics.median(r["local"]["tokens_per_s"] for r in rows),
         "median_ratio_http_over_local": statistics.median(ratios),

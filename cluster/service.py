@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -14,22 +13,12 @@ from cluster.config import SplitspecConfig
 
 logger = logging.getLogger(__name__)
 
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now (bind port 0, read it, release it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceUrls:
-    http: str
-    grpc: str
-    route_prefix: str = "/"
-
-    @property
-    def openai_base(self) -> str:
-        return f"{self.http}{self.route_prefix.rstrip('/')}/v1"
 
 
 def start_serve(host: str, http_port: int, grpc_port: int) -> tuple[int, int]:
