@@ -7,7 +7,7 @@ PROMPT ?= Add type hints to this function and reply with the code only: def add(
 CONFIG ?=
 ARGS ?=
 
-.PHONY: run test bench generate setup clean
+.PHONY: run test bench serving-bench generate setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/splitspec engine-bench $(ARGS)
+
+# The serving benchmark over the OpenAI HTTP API (README "Benchmark: splitspec bench").
+serving-bench: $(STAMP)
+	$(BIN)/splitspec bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -176,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.serve_bench import add_parser as add_serve_bench_parser
 
     add_serve_bench_parser(sub)
+
+    from cluster.bench import add_parser as add_serving_bench_parser
+
+    add_serving_bench_parser(sub)
     return parser
 
 

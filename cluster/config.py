@@ -8,7 +8,7 @@ was given. Defaults run on a 2-core laptop with the bundled model.
     proposers:
       - {method: ngram, replicas: 1}
     verifier: {max_num_seqs: 8, max_model_len: 2048}
-    controller: {policy: static, k: 4}
+    controller: {policy: goodput, max_k: 8}
     api: {http_port: 8000, grpc_port: 9000}
 """
 
@@ -112,10 +112,38 @@ class VerifierConfig(_Strict):
 
 
 class ControllerConfig(_Strict):
-    """How many draft tokens each sequence gets per round."""
+    """How many draft tokens each sequence gets per round (`verifier/controller.py`)."""
 
-    policy: Literal["off", "static"] = Field("static", description="'off' never speculates; 'static' always asks for k.")
-    k: int = Field(4, ge=0, le=16, description="Draft tokens per round for 'static'.")
+    policy: Literal["off", "static", "batch_table", "goodput"] = Field(
+        "goodput", description="'goodput' picks (method, k) per sequence per round to maximise tokens per second "
+        "of verifier time; 'static' always asks for k; 'batch_table' takes k from the batch size; 'off' never "
+        "speculates (a request's speculation.mode 'on' still does).")
+    k: int = Field(4, ge=0, le=16, description="k of 'static', and of requests with speculation.mode 'on' and no max_k.")
+    max_k: int = Field(8, ge=1, le=16, description="The most draft tokens 'goodput' gives a sequence in one round.")
+    batch_table: dict[int, int] = Field(
+        {1: 4, 8: 2, 32: 0}, description="'batch_table': {min batch size: k}; the row with the largest batch size "
+        "not above the running batch applies. Must have a row for 1.")
+    probe_interval: int = Field(8, ge=1, description="Rounds between cheap probes of an off sequence or unused method.")
+    probe_k: int = Field(2, ge=1, le=16, description="Draft tokens of a probe.")
+    hysteresis: float = Field(0.2, ge=0, lt=1, description="Share by which an off sequence's acceptance is "
+                              "discounted when deciding to turn it back on.")
+    acceptance_ewma: float = Field(0.3, gt=0, le=1, description="Weight of the newest round in each sequence's "
+                                   "per-position acceptance average.")
+
+    @model_validator(mode="after")
+    def _valid(self) -> "ControllerConfig":
+        self.settings()  # the controller's own checks, e.g. batch_table
+        return self
+
+    def settings(self):
+        """The `verifier.controller.ControllerSettings` these fields describe."""
+        from verifier.controller import ControllerSettings
+
+        return ControllerSettings(
+            policy=self.policy, k=self.k, max_k=self.max_k, batch_table=tuple(sorted(self.batch_table.items())),
+            probe_interval=self.probe_interval, probe_k=self.probe_k, hysteresis=self.hysteresis,
+            acceptance_ewma=self.acceptance_ewma,
+        )
 
 
 class ApiConfig(_Strict):

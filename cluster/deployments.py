@@ -134,9 +134,8 @@ class VerifierReplica:
             m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0) for m in self._proposer_deployments
         }
         methods = tuple(self._routers)
-        engine = engine_from_config(cfg, model, tokenizer, self._routers[methods[0]] if methods else None)
-        self.server = VerifierServer(engine, served_model_name(cfg), methods,
-                                     speculate_by_default=cfg.controller.policy != "off")
+        engine = engine_from_config(cfg, model, tokenizer, self._routers)
+        self.server = VerifierServer(engine, served_model_name(cfg))
         self._seen = {m: False for m in methods}
         self._directory = get_directory(serve.get_replica_context().app_name) if methods else None
         if methods:

@@ -24,7 +24,7 @@ import torch
 
 from cluster.workloads import WORKLOADS, load_prompts
 from verifier.engine import Engine, EngineConfig
-from verifier.policy import OffPolicy, StaticPolicy
+from verifier.controller import Controller
 from verifier.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> dict:
     max_batch = max(args.batch)
     config = EngineConfig(max_num_seqs=max_batch, max_model_len=args.max_model_len)
     engines = {
-        "off": Engine(model, tokenizer, config, None, OffPolicy()),
-        f"ngram:{args.k}": Engine(model, tokenizer, config, NgramProposer(), StaticPolicy(args.k)),
+        "off": Engine(model, tokenizer, config, None, Controller.off()),
+        f"ngram:{args.k}": Engine(model, tokenizer, config, NgramProposer(), Controller.static(args.k)),
     }
     hf = _load_hf(DTYPES[args.dtype]) if args.hf and args.model is None else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

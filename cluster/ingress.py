@@ -338,6 +338,7 @@ class Ingress:
                 message.speculation.CopyFrom(generate_pb2.SpeculationStats(
                     rounds=s["rounds"], rounds_with_drafts=s["rounds_with_drafts"], drafted=s["drafted"],
                     accepted=s["accepted"], mean_acceptance_length=s["mean_acceptance_length"],
+                    rounds_by_method=s["rounds_by_method"], rounds_off=s["rounds_off"],
                 ))
                 yield message
                 return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+from typing import Mapping
 
 from cluster.config import SplitspecConfig, VerifierConfig
 from protos.proposal import ProposalSource
@@ -14,7 +15,7 @@ from verifier.models.bundled import bundled_model_path
 from verifier.models.llama import LlamaModel
 from verifier.models.loader import load_model
 from verifier.models.tokenizer import Tokenizer
-from verifier.policy import OffPolicy, StaticPolicy
+from verifier.controller import Controller
 
 #: Speculation method that means "no proposer".
 OFF = "off"
@@ -59,8 +60,8 @@ def build_local_engine(spec: LocalEngineSpec) -> Engine:
     model, tokenizer = load_model_and_tokenizer(spec.model, spec.tokenizer, spec.dtype)
     config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
     if spec.speculation == OFF or spec.k == 0:
-        return Engine(model, tokenizer, config, None, OffPolicy())
-    return Engine(model, tokenizer, config, build_proposer(spec.speculation), StaticPolicy(spec.k))
+        return Engine(model, tokenizer, config, None, Controller.off())
+    return Engine(model, tokenizer, config, build_proposer(spec.speculation), Controller.static(spec.k))
 
 
 def verifier_threads(verifier: VerifierConfig) -> int | None:
@@ -70,13 +71,14 @@ def verifier_threads(verifier: VerifierConfig) -> int | None:
 
 
 def engine_from_config(config: SplitspecConfig, model: LlamaModel, tokenizer: Tokenizer,
-                       proposer: ProposalSource | None) -> Engine:
-    """The engine a verifier replica runs for `config`, drafting with `proposer` (the first
-    configured method). Controller policy `off` keeps the static k here: the request front
-    then gives `mode: auto` requests max_k = 0, so that `mode: on` can still speculate."""
+                       proposers: Mapping[str, ProposalSource]) -> Engine:
+    """The engine a verifier replica runs for `config`, drafting with `proposers` (method ->
+    source, in the config's order) under the configured controller policy. Policy
+    `goodput` profiles the step time here, before the first request."""
     v = config.verifier
-    k = config.controller.k
-    policy = StaticPolicy(k) if proposer is not None and k > 0 else OffPolicy()
-    return Engine(model, tokenizer, EngineConfig(
+    engine = Engine(model, tokenizer, EngineConfig(
         max_num_seqs=v.max_num_seqs, max_model_len=v.max_model_len, max_waiting=v.max_waiting,
-    ), proposer, policy)
+    ), dict(proposers), Controller(config.controller.settings(), tuple(proposers)))
+    if engine.controller.needs_step_time:
+        engine.profile_step_time()
+    return engine

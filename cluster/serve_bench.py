@@ -42,12 +42,12 @@ def _http_run(base_url: str, model: str, conversations, max_tokens: int):
     return outputs, time.perf_counter() - start, accepted, drafted
 
 
-def _local_run(engine, prompts, max_tokens: int, max_k: int | None):
+def _local_run(engine, prompts, max_tokens: int):
     from verifier.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     start = time.perf_counter()
-    results = [engine.generate_sync([p], params, max_k=max_k)[0] for p in prompts]
+    results = [engine.generate_sync([p], params)[0] for p in prompts]
     wall = time.perf_counter() - start
     return ([r.token_ids for r in results], wall, sum(r.stats.accepted for r in results),
             sum(r.stats.drafted for r in results))
@@ -70,11 +70,8 @@ def run(args: argparse.Namespace) -> dict:
     threads = verifier_threads(config.verifier)
     if threads:
         torch.set_num_threads(threads)
-    proposer = build_proposer(config.proposers[0].method, dict(config.proposers[0].options)) if config.proposers else None
-    engine = engine_from_config(config, model, tokenizer, proposer)
-    # As the request front does for `mode: auto` under controller policy `off`.
-    max_k = 0 if config.controller.policy == "off" else None
-    k = config.controller.k if proposer is not None and max_k is None else 0
+    engine = engine_from_config(config, model, tokenizer,
+                                {p.method: build_proposer(p.method, dict(p.options)) for p in config.proposers})
     prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in conversations]
 
     init_ray(None)
@@ -86,7 +83,7 @@ def run(args: argparse.Namespace) -> dict:
         base = f"http://127.0.0.1:{http_port}/v1"
         name = served_model_name(config)
         _http_run(base, name, conversations[:1], 8)  # warm-up: connections, first-call costs
-        _local_run(engine, prompts[:1], 8, max_k)
+        _local_run(engine, prompts[:1], 8)
         for repeat in range(args.repeats):
             order = ("http", "local") if repeat % 2 == 0 else ("local", "http")
             got = {}
@@ -94,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
                 if mode == "http":
                     got[mode] = _http_run(base, name, conversations, args.max_tokens)
                 else:
-                    got[mode] = _local_run(engine, prompts, args.max_tokens, max_k)
+                    got[mode] = _local_run(engine, prompts, args.max_tokens)
             row = {"repeat": repeat}
             for mode, (outputs, wall, accepted, drafted) in got.items():
                 tokens = sum(len(o) for o in outputs)
@@ -109,7 +106,7 @@ def run(args: argparse.Namespace) -> dict:
     ratios = [r["ratio_http_over_local"] for r in rows]
     return {
         "workload": args.workload, "requests": len(conversations), "max_tokens": args.max_tokens,
-        "speculation": f"{config.proposers[0].method}:k={k}" if k else "off",
+        "speculation": {"policy": config.controller.policy, "methods": [p.method for p in config.proposers]},
         "torch_threads": torch.get_num_threads(), "rows": rows,
         "median_http_tokens_per_s": statistics.median(r["http"]["tokens_per_s"] for r in rows),
         "median_local_tokens_per_s": statistics.median(r["local"]["tokens_per_s"] for r in rows),

@@ -2,12 +2,14 @@
 
 Each step (one verifier forward pass):
   1. admit waiting requests into free KV slots (their prompt is prefilled in this pass);
-  2. ask the policy for k per running sequence and the proposer for drafts (deltas only,
-     per the contract in `protos.proposal`); a failed proposer means k = 0 (fail open);
+  2. ask the controller for (method, k) per running sequence and each method's proposer
+     for drafts, all methods in parallel (deltas only, per the contract in
+     `protos.proposal`); a failed or late proposer means k = 0 (fail open);
   3. one ragged forward pass over every sequence's new tokens: the whole prompt for a new
      sequence, `[last, d1..dk]` for a running one;
   4. accept (greedy match or rejection sampling), emit accepted + 1 tokens per sequence,
-     roll the KV cache back past the rejected drafts, stream the text out.
+     roll the KV cache back past the rejected drafts, stream the text out;
+  5. tell the controller what was accepted, how long the pass and the proposers took.
 Prefill is the k = 0 case of a round whose input is the prompt, so one code path serves both.
 
 The forward pass and acceptance run in a dedicated worker thread so the event
@@ -22,9 +24,10 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import random
 import time
-from typing import AsyncIterator, Sequence as Seq
+from typing import AsyncIterator, Mapping, Sequence as Seq
 
 import numpy as np
 import torch
@@ -32,13 +35,16 @@ import torch
 from protos.proposal import Proposal, ProposalRequest, ProposalSource
 from verifier.errors import InvalidRequestError, OverloadedError
 from verifier.models.llama import LlamaModel
-from verifier.policy import OffPolicy, SequenceView, SpeculationPolicy
+from verifier.controller import Controller, SequenceView, StepTimeModel
 from verifier.rejection_sampler import greedy_accept, rejection_sample
 from verifier.sampling import logits_to_probs
 from verifier.sampling_params import SamplingParams
 from verifier.sequence import FinishReason, RequestOutput, Sequence, SequenceStats
 
 logger = logging.getLogger(__name__)
+
+#: A request's `speculation.mode`: the controller decides, never, or a fixed k.
+SPECULATION_MODES = ("auto", "off", "on")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +57,7 @@ class EngineConfig:
     max_model_len: int = 2048
     #: Requests allowed to wait for a slot before new ones are refused as overloaded.
     max_waiting: int = 64
-    #: Upper bound on k whatever the policy asks (sizes per-position statistics).
+    #: Upper bound on k whatever the controller asks (sizes per-position statistics).
     max_k: int = 16
 
     def __post_init__(self) -> None:
@@ -97,6 +103,11 @@ class _Work:
     input_token_ids: list[int]
     draft_token_ids: np.ndarray  # int32 [k]
     draft_probs: np.ndarray | None  # float32 [k, V] or None
+    method: str | None = None
+    #: The controller's reason, or why the drafts did not come (resync, proposer_failed, ...).
+    reason: str = ""
+    #: The k asked of the proposer (drafts may be fewer).
+    k_asked: int = 0
     emitted: list[int] = dataclasses.field(default_factory=list)
     num_accepted: int = 0
 
@@ -104,7 +115,11 @@ class _Work:
 class Engine:
     """Serve one model with speculative decoding.
 
-    >>> engine = Engine(model, tokenizer, proposer=NgramProposer(), policy=StaticPolicy(4))
+    `proposers` is one `ProposalSource` or a mapping method -> source (the controller
+    chooses among them per sequence, in mapping order on ties); the controller defaults
+    to policy `off`.
+
+    >>> engine = Engine(model, tokenizer, proposers=NgramProposer(), controller=Controller.static(4))
     >>> async for out in engine.generate(tokenizer.encode("def f(x):"), SamplingParams(temperature=0)):
     ...     print(out.text, end="")
     """
@@ -114,14 +129,20 @@ class Engine:
         model: LlamaModel,
         tokenizer=None,
         config: EngineConfig | None = None,
-        proposer: ProposalSource | None = None,
-        policy: SpeculationPolicy | None = None,
+        proposers: ProposalSource | Mapping[str, ProposalSource] | None = None,
+        controller: Controller | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
-        self.proposer = proposer
-        self.policy: SpeculationPolicy = policy or OffPolicy()
+        if proposers is None:
+            proposers = {}
+        elif not isinstance(proposers, Mapping):
+            proposers = {proposers.method: proposers}
+        self.proposers: dict[str, ProposalSource] = dict(proposers)
+        self.controller = controller or Controller.off()
+        if not self.controller.methods:
+            self.controller.set_methods(tuple(self.proposers))
         self.cache = model.new_cache(self.config.max_num_seqs, self.config.max_model_len)
         self.stats = EngineStats(accepted_per_position=[0] * self.config.max_k)
         self._eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -170,13 +191,17 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         max_k: int | None = None,
+        mode: str = "auto",
+        method: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's output, one event per round that produced something.
 
-        Leaving the iteration early (client disconnect, `break`, cancellation) aborts the
-        sequence and frees its KV slot before the next step.
+        `mode`, `method`, `max_k` are the request's `speculation` object (see
+        `verifier.controller`). Leaving the iteration early (client disconnect, `break`,
+        cancellation) aborts the sequence and frees its KV slot before the next step.
         """
         self.validate(prompt_token_ids, params)
+        self.validate_speculation(mode, method, max_k)
         # Requests that a free KV slot takes at the next step do not wait.
         if len(self._waiting) - self.cache.num_free_slots >= self.config.max_waiting:
             raise OverloadedError(
@@ -184,6 +209,7 @@ class Engine:
                 f"(limit {self.config.max_waiting})"
             )
         seq = self._new_sequence(list(prompt_token_ids), params, request_id, max_k)
+        seq.mode, seq.method = mode, method
         self._waiting.append(seq)
         self._ensure_loop()
         finished = False
@@ -200,6 +226,69 @@ class Engine:
             if not finished:
                 self.abort(seq.request_id)
 
+    def validate_speculation(self, mode: str, method: str | None, max_k: int | None) -> None:
+        """Raise `InvalidRequestError` naming the `speculation.*` field that is wrong."""
+        if mode not in SPECULATION_MODES:
+            raise InvalidRequestError("speculation.mode", f"must be one of {list(SPECULATION_MODES)}, got {mode!r}")
+        if method is not None and method not in self.proposers:
+            served = list(self.proposers) or "none (speculation is not configured)"
+            raise InvalidRequestError("speculation.method", f"unknown method {method!r}; served: {served}")
+        if max_k is not None and (isinstance(max_k, bool) or not isinstance(max_k, int) or max_k < 0):
+            raise InvalidRequestError("speculation.max_k", f"must be an integer >= 0, got {max_k!r}")
+
+    def profile_step_time(self, max_tokens: int | None = None, context_len: int = 64,
+                          repeats: int = 2) -> StepTimeModel:
+        """Measure the verifier's step-time model for the controller (which refreshes it
+        online): T_tokens(n) on one sequence for a grid of n, and the cost of each further
+        sequence from a pass of max_num_seqs sequences of one token each, every sequence
+        holding `context_len` tokens of context. Runs before serving: every KV slot must be
+        free. Each figure is the fastest of `repeats` passes after one warm-up pass.
+
+        The grid has the points where this model's cost changes slope: 1 (a lone decode
+        step), 2 and 16 (passes of 2-15 tokens are padded to 16 rows on CPU), then x1.5
+        steps up to `max_tokens` (default: a full batch at the controller's largest k).
+        """
+        assert self.cache.num_used_slots == 0, "profile_step_time needs an idle engine"
+        s = self.controller.settings
+        limit = min(max_tokens or self.config.max_num_seqs * (max(s.max_k, s.k) + 1),
+                    self.config.max_model_len - context_len - 1)
+        grid = [1, 2, 4, 8, 16]
+        while grid[-1] < limit:
+            grid.append(int(grid[-1] * 1.5))
+        grid = [n for n in grid if n <= limit] or [1]
+        slots = [self.cache.allocate() for _ in range(self.config.max_num_seqs)]
+
+        def timed(lens: list[int]) -> float:
+            """Fastest pass of lens[i] new tokens on slots[i], each after context_len tokens."""
+            best = math.inf
+            for rep in range(repeats + 1):
+                n = sum(lens)
+                start = time.perf_counter()
+                self.model.forward(torch.zeros(n, dtype=torch.int64), slots[: len(lens)], lens, self.cache,
+                                   torch.arange(n, dtype=torch.int64))
+                if rep:
+                    best = min(best, time.perf_counter() - start)
+                for slot in slots[: len(lens)]:
+                    self.cache.rollback(slot, context_len)
+            return best
+
+        try:
+            b = len(slots)
+            self.model.forward(torch.zeros(b * context_len, dtype=torch.int64), slots, [context_len] * b, self.cache,
+                               torch.tensor([b * context_len - 1], dtype=torch.int64))
+            points = [(n, timed([n])) for n in grid]
+            model = StepTimeModel(points, ewma=s.timing_ewma)
+            if b > 1:
+                model.per_seq_s = max((timed([1] * b) - model.tokens_s(b)) / (b - 1), 0.0)
+        finally:
+            for slot in slots:
+                self.cache.rollback(slot, 0)
+                self.cache.free(slot)
+        self.controller.step_time = model
+        logger.info("verifier step time: tokens -> ms %s, +%.1f ms per further sequence",
+                    [(n, round(t * 1e3, 1)) for n, t in points], model.per_seq_s * 1e3)
+        return model
+
     def abort(self, request_id: str) -> None:
         """Drop a request; its KV slot is freed before the next step."""
         for seq in itertools.chain(self._waiting, self._running):
@@ -208,7 +297,8 @@ class Engine:
         self._wake()
 
     async def generate_all(
-        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams], max_k: int | None = None
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams], max_k: int | None = None,
+        mode: str = "auto", method: str | None = None,
     ) -> list[GenerationResult]:
         """Run many requests concurrently (continuous batching) and collect their results."""
         per_request = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -217,7 +307,7 @@ class Engine:
             token_ids: list[int] = []
             text: list[str] = []
             rid = f"gen-{next(self._ids)}"
-            async for out in self.generate(prompt, p, request_id=rid, max_k=max_k):
+            async for out in self.generate(prompt, p, request_id=rid, max_k=max_k, mode=mode, method=method):
                 token_ids.extend(out.token_ids)
                 text.append(out.text)
                 if out.finished:
@@ -227,9 +317,10 @@ class Engine:
         return list(await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, per_request))))
 
     def generate_sync(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
-                      max_k: int | None = None) -> list[GenerationResult]:
+                      max_k: int | None = None, mode: str = "auto", method: str | None = None,
+                      ) -> list[GenerationResult]:
         """`generate_all` for callers without an event loop (CLI, benchmark, tests)."""
-        return asyncio.run(self.generate_all(prompts, params, max_k))
+        return asyncio.run(self.generate_all(prompts, params, max_k, mode, method))
 
     # ------------------------------------------------------------------ the loop
     def _new_sequence(self, prompt: list[int], params: SamplingParams, request_id: str | None,
@@ -289,6 +380,9 @@ class Engine:
 
     async def step(self) -> None:
         """One verifier pass over every running sequence (plus newly admitted prompts)."""
+        if self.controller.needs_step_time and not self._running:
+            # Once, before the first request takes a slot (the replica may also do it at start).
+            await asyncio.get_running_loop().run_in_executor(self._worker, self.profile_step_time)
         running = list(self._running)
         admitted = []
         while self._waiting and self.cache.num_free_slots:
@@ -298,48 +392,70 @@ class Engine:
         # Running from now on, so that a failing step reaches their clients too.
         self._running.extend(admitted)
         works = [_Work(s, list(s.prompt_token_ids), np.zeros(0, np.int32), None) for s in admitted]
-        works += await self._plan_and_propose(running)
-        await asyncio.get_running_loop().run_in_executor(self._worker, self._execute, works)
+        works += await self._plan_and_propose(running, sum(len(w.input_token_ids) for w in works), len(works))
+        seconds = await asyncio.get_running_loop().run_in_executor(self._worker, self._execute, works)
         self.stats.num_steps += 1
+        self.controller.observe_step(sum(len(w.input_token_ids) for w in works), len(works), seconds)
         for work in works:
             self._commit(work)
 
-    async def _plan_and_propose(self, running: list[Sequence]) -> list[_Work]:
-        """Choose k per sequence and fetch drafts; k = 0 wherever anything fails."""
+    async def _plan_and_propose(self, running: list[Sequence], num_prefill_tokens: int,
+                                num_prefill_seqs: int) -> list[_Work]:
+        """Choose (method, k) per sequence and fetch drafts, one call per method, all methods
+        in parallel; k = 0 wherever anything fails."""
         if not running:
             return []
-        wanted = self.policy.plan([
-            SequenceView(s.request_id, s.num_context_tokens, len(s.output_token_ids), s.max_k) for s in running
-        ])
+        available = {m: getattr(src, "available", True) for m, src in self.proposers.items()}
+        decisions = self.controller.plan([
+            SequenceView(s.request_id, s.mode, s.method, s.max_k, s.params.max_tokens - len(s.output_token_ids))
+            for s in running
+        ], available, num_prefill_tokens, num_prefill_seqs)
+        assert len(decisions) == len(running), f"{len(decisions)=} {len(running)=}"
         works = []
-        requests = []
-        for seq, k in zip(running, wanted):
-            k = self._clamp_k(seq, k)
-            works.append(_Work(seq, [seq.output_token_ids[-1]], np.zeros(0, np.int32), None))
-            if k > 0:
-                requests.append((len(works) - 1, ProposalRequest(
-                    seq_id=seq.request_id,
-                    base_len=seq.proposer_synced_len,
-                    append_token_ids=seq.context_slice(seq.proposer_synced_len),
-                    k=k,
-                    temperature=seq.params.temperature,
-                )))
-        if not requests:
-            return works
-        try:
-            proposals = await self.proposer.propose([r for _, r in requests])
-            assert len(proposals) == len(requests), f"{len(proposals)=} {len(requests)=}"
-        except Exception:
-            logger.warning("proposer %s failed; speculating 0 this round", self.proposer.method, exc_info=True)
-            self.stats.num_proposer_failures += 1
-            return works
-        for (i, request), proposal in zip(requests, proposals):
-            self._take_proposal(works[i], request, proposal)
+        by_method: dict[str, list[tuple[int, ProposalRequest]]] = {}
+        for seq, d in zip(running, decisions):
+            work = _Work(seq, [seq.output_token_ids[-1]], np.zeros(0, np.int32), None, d.method, d.reason)
+            works.append(work)
+            k = self._clamp_k(seq, d.k)
+            if k == 0 or d.method not in self.proposers:
+                work.reason = work.reason if d.k == 0 else ("length" if d.method in self.proposers else
+                                                            "proposer_unavailable")
+                continue
+            work.k_asked = k
+            synced = seq.synced_len.get(d.method, 0)
+            by_method.setdefault(d.method, []).append((len(works) - 1, ProposalRequest(
+                seq_id=seq.request_id,
+                base_len=synced,
+                append_token_ids=seq.context_slice(synced),
+                k=k,
+                temperature=seq.params.temperature,
+            )))
+            seq.synced_len.setdefault(d.method, 0)  # so that _finish releases it there
+        if by_method:
+            answers = await asyncio.gather(*(self._propose(m, [r for _, r in reqs]) for m, reqs in by_method.items()))
+            for (method, reqs), proposals in zip(by_method.items(), answers):
+                for (i, request), proposal in zip(reqs, proposals or ()):
+                    self._take_proposal(works[i], request, proposal)
+                if proposals is None:
+                    for i, _ in reqs:
+                        works[i].reason = "proposer_failed"
         return works
 
+    async def _propose(self, method: str, requests: list[ProposalRequest]) -> list[Proposal] | None:
+        """One method's drafts for this round, or None if its proposer failed (fail open)."""
+        start = time.perf_counter()
+        try:
+            proposals = await self.proposers[method].propose(requests)
+            assert len(proposals) == len(requests), f"{len(proposals)=} {len(requests)=}"
+            return proposals
+        except Exception:
+            logger.warning("proposer %s failed; speculating 0 this round", method, exc_info=True)
+            self.stats.num_proposer_failures += 1
+            return None
+        finally:
+            self.controller.observe_proposer(method, time.perf_counter() - start)
+
     def _clamp_k(self, seq: Sequence, k: int) -> int:
-        if self.proposer is None:
-            return 0
         # A round emits up to k + 1 tokens; drafting past max_tokens would be wasted work
         # (and would write KV past the context limit, which validate() sized for).
         remaining = seq.params.max_tokens - len(seq.output_token_ids)
@@ -351,22 +467,28 @@ class Engine:
     def _take_proposal(self, work: _Work, request: ProposalRequest, proposal: Proposal) -> None:
         seq = work.seq
         if proposal.resync:
-            seq.proposer_synced_len = 0
+            seq.synced_len[work.method] = 0
             self.stats.num_resyncs += 1
+            work.reason = "resync"
             return
-        seq.proposer_synced_len = seq.num_context_tokens
+        seq.synced_len[work.method] = seq.num_context_tokens
         drafts = np.asarray(proposal.draft_token_ids, dtype=np.int32)[: request.k]
         vocab = self.model.config.vocab_size
         if drafts.size and (drafts.min() < 0 or drafts.max() >= vocab):
             logger.warning("proposer returned token ids outside [0, %d); ignoring the draft", vocab)
+            work.reason = "proposer_failed"
+            return
+        if drafts.size == 0:
+            work.reason = "no_draft"
             return
         work.draft_token_ids = drafts
         if proposal.draft_probs is not None:
             work.draft_probs = np.asarray(proposal.draft_probs, dtype=np.float32)[: drafts.size]
         work.input_token_ids.extend(drafts.tolist())
 
-    def _execute(self, works: list[_Work]) -> None:
-        """Worker thread: forward pass, then acceptance for every sequence."""
+    def _execute(self, works: list[_Work]) -> float:
+        """Worker thread: forward pass, then acceptance for every sequence; returns its seconds."""
+        start = time.perf_counter()
         num_tokens = [len(w.input_token_ids) for w in works]
         # Logits are needed for the last k + 1 inputs of each sequence (k = 0 for a prefill).
         index = []
@@ -395,6 +517,7 @@ class Engine:
             slot = w.seq.slot
             self.cache.rollback(slot, self.cache.lens[slot] - (k - w.num_accepted))
             row += k + 1
+        return time.perf_counter() - start
 
     def _commit(self, work: _Work) -> None:
         """On the loop: append emitted tokens, apply stop rules, stream the event out."""
@@ -407,6 +530,12 @@ class Engine:
         else:
             seq.stats.rounds += 1
             self._count_round(seq.stats, k, work.num_accepted)
+            if k:
+                seq.stats.rounds_by_method[work.method] = seq.stats.rounds_by_method.get(work.method, 0) + 1
+            else:
+                seq.stats.rounds_off[work.reason] = seq.stats.rounds_off.get(work.reason, 0) + 1
+            if k or work.reason == "no_draft":
+                self.controller.observe_round(seq.request_id, work.method, k, work.num_accepted)
         new_tokens: list[int] = []
         finish: FinishReason | None = None
         text = []
@@ -456,5 +585,6 @@ class Engine:
         if seq.slot is not None:
             self.cache.free(seq.slot)
             seq.slot = None
-        if self.proposer is not None:
-            self.proposer.release([seq.request_id])
+        self.controller.forget(seq.request_id)
+        for method in seq.synced_len:
+            self.proposers[method].release([seq.request_id])

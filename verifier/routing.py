@@ -77,6 +77,11 @@ class RoutedProposalSource:
         now = time.monotonic() if now is None else now
         return sorted(a for a in self._sources if self._down_until.get(a, 0.0) <= now)
 
+    @property
+    def available(self) -> bool:
+        """Whether any replica may take sequences now (the controller plans k = 0 otherwise)."""
+        return bool(self.live_addresses())
+
     async def set_replicas(self, addresses: Sequence[str]) -> bool:
         """Make `addresses` the replica set; return True when it changed.
 

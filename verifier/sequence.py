@@ -35,6 +35,10 @@ class SequenceStats:
     num_output_tokens: int = 0
     prefill_s: float = 0.0
     elapsed_s: float = 0.0
+    #: Rounds that drafted, per method.
+    rounds_by_method: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Rounds without drafts, per reason (`verifier.controller.REASONS`).
+    rounds_off: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -58,6 +62,8 @@ class SequenceStats:
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "num_output_tokens": self.num_output_tokens,
             "tokens_per_second": round(self.tokens_per_second, 2),
+            "rounds_by_method": dict(self.rounds_by_method),
+            "rounds_off": dict(self.rounds_off),
         }
 
 
@@ -87,8 +93,12 @@ class Sequence:
     arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
-    # How many leading context tokens the proposer holds for this sequence (delta contract).
-    proposer_synced_len: int = 0
+    # The request's speculation object: auto | off | on, and a pinned method (or None).
+    mode: str = "auto"
+    method: str | None = None
+    # Per method: how many leading context tokens its proposer holds for this sequence
+    # (delta contract). A method is a key once the sequence has been sent to it.
+    synced_len: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: SequenceStats = dataclasses.field(default_factory=SequenceStats)
     finish_reason: FinishReason | None = None
     aborted: bool = False

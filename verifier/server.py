@@ -1,7 +1,7 @@
 """The verifier's request front: text or chat in, a stream of plain-dict events out.
 
-`VerifierServer` owns one engine. It applies the chat template, tokenizes, turns the
-per-request `speculation` object into the engine's `max_k`, and streams events that
+`VerifierServer` owns one engine. It applies the chat template, tokenizes, hands the
+per-request `speculation` object to the engine's controller, and streams events that
 cross process boundaries as plain dicts (a Ray Serve handle pickles them). It has no Ray
 or HTTP imports: `cluster` wraps it in a Serve deployment and maps events to the HTTP
 and gRPC APIs.
@@ -27,8 +27,6 @@ from verifier.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SPECULATION_MODES = ("auto", "off", "on")
-
 
 @dataclasses.dataclass(frozen=True)
 class GenerateInput:
@@ -52,19 +50,12 @@ class GenerateInput:
 
 
 class VerifierServer:
-    """Serve `GenerateInput`s with one engine.
+    """Serve `GenerateInput`s with one engine (whose controller and proposers decide how
+    `speculation` is honoured)."""
 
-    `methods` lists the proposal methods the engine's proposer can serve (the first is
-    the default); `speculate_by_default` False means `mode: auto` does not speculate
-    (controller policy `off`) while `mode: on` still does.
-    """
-
-    def __init__(self, engine: Engine, model_name: str, methods: tuple[str, ...] = (),
-                 speculate_by_default: bool = True) -> None:
+    def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.methods = methods
-        self.speculate_by_default = speculate_by_default
 
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, req: GenerateInput) -> list[int]:
@@ -86,19 +77,6 @@ class VerifierServer:
             raise InvalidRequestError("prompt", "must not be empty")
         return tok.encode(req.prompt)
 
-    def _max_k(self, req: GenerateInput) -> int | None:
-        if req.speculation_mode not in SPECULATION_MODES:
-            raise InvalidRequestError("speculation.mode", f"must be one of {list(SPECULATION_MODES)}, got {req.speculation_mode!r}")
-        if req.speculation_method and req.speculation_method not in self.methods:
-            known = list(self.methods) or "none (speculation is not configured)"
-            raise InvalidRequestError("speculation.method", f"unknown method {req.speculation_method!r}; served: {known}")
-        if req.speculation_max_k is not None and (isinstance(req.speculation_max_k, bool) or
-                                                  not isinstance(req.speculation_max_k, int) or req.speculation_max_k < 0):
-            raise InvalidRequestError("speculation.max_k", f"must be an integer >= 0, got {req.speculation_max_k!r}")
-        if req.speculation_mode == "off" or (req.speculation_mode == "auto" and not self.speculate_by_default):
-            return 0
-        return req.speculation_max_k
-
     def _params(self, req: GenerateInput, num_prompt_tokens: int) -> SamplingParams:
         max_tokens = req.max_tokens
         if max_tokens is None:  # as vLLM: whatever the context leaves
@@ -114,9 +92,10 @@ class VerifierServer:
         engine_id = f"{req.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
         try:
             prompt_ids = self._prompt_ids(req)
-            max_k = self._max_k(req)
+            self.engine.validate_speculation(req.speculation_mode, req.speculation_method, req.speculation_max_k)
             params = self._params(req, len(prompt_ids))
-            stream = self.engine.generate(prompt_ids, params, request_id=engine_id, max_k=max_k)
+            stream = self.engine.generate(prompt_ids, params, request_id=engine_id, max_k=req.speculation_max_k,
+                                          mode=req.speculation_mode, method=req.speculation_method)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     if not out.finished:
@@ -133,7 +112,7 @@ class VerifierServer:
                             "completion_tokens": stats.num_output_tokens,
                             "total_tokens": len(prompt_ids) + stats.num_output_tokens,
                         },
-                        "speculation": self._speculation_stats(req, max_k, stats),
+                        "speculation": {"mode": req.speculation_mode, **stats.as_dict()},
                     }
                     return
         except InvalidRequestError as exc:
@@ -142,10 +121,6 @@ class VerifierServer:
         except OverloadedError as exc:
             yield {"event": "error", "kind": "overloaded", "param": None, "message": str(exc),
                    "retry_after_s": exc.retry_after_s}
-
-    def _speculation_stats(self, req: GenerateInput, max_k: int | None, stats) -> dict[str, Any]:
-        method = (req.speculation_method or (self.methods[0] if self.methods else None)) if max_k != 0 else None
-        return {"mode": req.speculation_mode, "method": method, **stats.as_dict()}
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
@@ -156,4 +131,11 @@ class VerifierServer:
             "num_free_slots": e.cache.num_free_slots,
             "max_num_seqs": e.config.max_num_seqs,
             "engine": dataclasses.asdict(e.stats),
+            "controller": {
+                "policy": e.controller.settings.policy,
+                "decisions": dict(e.controller.decisions),
+                "proposer_latency_ms": {m: round(e.controller.latency_s(m) * 1e3, 3) for m in e.proposers},
+                "step_time_ms": [(n, round(t * 1e3, 2)) for n, t in e.controller.step_time.points()]
+                if e.controller.step_time is not None else None,
+            },
         }

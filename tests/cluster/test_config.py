@@ -15,14 +15,21 @@ def test_defaults_serve_the_bundled_model_with_ngram():
     c = load_config(None)
     assert c.model.path is None and c.model.dtype == "float32"
     assert [p.method for p in c.proposers] == ["ngram"]
-    assert c.controller.policy == "static" and c.controller.k == 4
+    assert c.controller.policy == "goodput" and c.controller.max_k == 8 and c.controller.k == 4
     assert c.api.http_port != c.api.grpc_port
 
 
-@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-cluster.yaml"])
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-cluster.yaml", "bench-cpu.yaml"])
 def test_shipped_examples_validate(name):
     c = load_config(CONFIG_DIR / name)
     assert isinstance(c, SplitspecConfig) and c.proposers
+
+
+def test_controller_section_maps_onto_the_controller():
+    from verifier.controller import ControllerSettings
+
+    c = SplitspecConfig.model_validate({"controller": {"policy": "batch_table", "batch_table": {8: 1, 1: 3}}})
+    assert c.controller.settings() == ControllerSettings(policy="batch_table", batch_table=((1, 3), (8, 1)))
 
 
 def test_local_example_matches_what_it_says():
@@ -44,6 +51,8 @@ def test_local_example_matches_what_it_says():
         ("proposers: [{method: ngram}, {method: ngram}]", "(top level)", "each method may appear once"),
         ("model: {dtype: float16}", "model.dtype", "'float16'"),
         ("controller: {k: 40}", "controller.k", "less than or equal to 16"),
+        ("controller: {policy: adaptive}", "controller.policy", "'adaptive'"),
+        ("controller: {policy: batch_table, batch_table: {4: 2}}", "controller", "starting at 1"),
         ("api: {http_port: 8000, grpc_port: 8000}", "(top level)", "must differ"),
         ("verifier: {tensor_parallel_size: 2}", "verifier", "needs resources.num_gpus == 2"),
     ],

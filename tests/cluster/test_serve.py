@@ -30,10 +30,10 @@ MAX_TOKENS = 40
 def greedy(model, tokenizer):
     """greedy(list of prompt id lists, max_tokens) -> list of output id lists (plain decoding)."""
     from verifier.engine import Engine, EngineConfig
-    from verifier.policy import OffPolicy
+    from verifier.controller import Controller
     from verifier.sampling_params import SamplingParams
 
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=10, max_model_len=1024), None, OffPolicy())
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=10, max_model_len=1024), None, Controller.off())
     cache: dict[tuple, list[int]] = {}
 
     def run(prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
@@ -140,6 +140,36 @@ def test_http_greedy_equals_local_engine(main_app, tokenizer, greedy, edit_conve
         assert drafted == 0
     else:  # the edit answers quote their prompts: the n-gram proposer must have helped
         assert accepted > 0
+
+
+def test_speculation_object_is_honoured_and_reported(main_app, tokenizer, greedy, edit_conversations):
+    """`mode: on` + `max_k` is a fixed cap, `auto` is the controller's choice; both exact, and
+    every round is either a drafting round of a method or an off round with a reason."""
+    from verifier.controller import REASONS
+
+    client = _client(main_app)
+    conversation = edit_conversations[0]
+    want = greedy([tokenizer.encode(tokenizer.apply_chat_template(conversation))])[0]
+    for speculation in ({"mode": "on", "max_k": 2}, {"mode": "auto"}, {"mode": "auto", "max_k": 1}):
+        r = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={"speculation": speculation, "return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == want
+        spec = r.model_extra["speculation"]
+        assert spec["mode"] == speculation["mode"]
+        assert spec["rounds_with_drafts"] > 0 and spec["accepted"] > 0  # the answer quotes its prompt
+        assert spec["drafted"] <= speculation.get("max_k", 8) * spec["rounds_with_drafts"]
+        assert spec["rounds_by_method"] == {"ngram": spec["rounds_with_drafts"]}
+        assert set(spec["rounds_off"]) <= set(REASONS)
+        assert sum(spec["rounds_off"].values()) + spec["rounds_with_drafts"] == spec["rounds"]
+        if speculation["mode"] == "on":  # fixed k: only the proposer or the length can stop a round drafting
+            assert set(spec["rounds_off"]) <= {"no_draft", "length", "resync", "proposer_failed"}
+    # The same maps over gRPC.
+    last = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+        model=MODEL, messages=generate_pb2.ChatMessages(messages=[
+            generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in conversation]),
+        max_tokens=MAX_TOKENS, temperature=0.0, speculation=generate_pb2.Speculation(mode="off")))[-1]
+    assert dict(last.speculation.rounds_off) == {"request_off": last.speculation.rounds}
+    assert dict(last.speculation.rounds_by_method) == {}
 
 
 def _grpc_generate(app, request: generate_pb2.GenerateRequest, timeout: float = 120):
@@ -334,8 +364,9 @@ def test_killing_the_proposer_replica_loses_nothing(main_app, tokenizer, greedy)
     client = _client(main_app, max_retries=0)
 
     def one(c):
+        # mode on: every round asks the proposer, whatever the controller would choose.
         r = client.chat.completions.create(model=MODEL, messages=c, max_tokens=96, temperature=0,
-                                           extra_body={"return_token_ids": True})
+                                           extra_body={"return_token_ids": True, "speculation": {"mode": "on"}})
         return r.choices[0].model_extra["token_ids"]
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:

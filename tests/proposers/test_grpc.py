@@ -14,7 +14,7 @@ from protos.proposal import ProposalRequest
 from proposers.ngram import NgramProposer
 from proposers.server import ProposerServicer, start_server
 from verifier.engine import Engine, EngineConfig
-from verifier.policy import StaticPolicy
+from verifier.controller import Controller
 from verifier.proposer_client import GrpcProposalSource, ProposerUnavailableError
 from verifier.sampling_params import SamplingParams
 
@@ -101,7 +101,7 @@ def test_engine_over_grpc_is_exact(model, tokenizer, prompts, expected):
     async def run():
         server, port = await start_server(ProposerServicer(NgramProposer(), max_k=8))
         client = GrpcProposalSource(f"127.0.0.1:{port}", method="ngram", deadline_s=1.0)
-        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512), client, StaticPolicy(4))
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512), client, Controller.static(4))
         try:
             results = await engine.generate_all(prompts, GREEDY)
         finally:
@@ -121,7 +121,7 @@ def test_proposer_killed_and_restarted_mid_generation(model, tokenizer, prompts,
         proposer = NgramProposer()
         server, port = await start_server(ProposerServicer(proposer, max_k=8))
         client = GrpcProposalSource(f"127.0.0.1:{port}", method="ngram", deadline_s=0.5)
-        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512), client, StaticPolicy(4))
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512), client, Controller.static(4))
         task = asyncio.ensure_future(engine.generate_all(prompts, GREEDY))
         while engine.stats.num_steps < 4:
             await asyncio.sleep(0.01)

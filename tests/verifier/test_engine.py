@@ -12,7 +12,8 @@ from cluster.workloads import load_prompts
 from proposers.ngram import NgramProposer
 from verifier.engine import Engine, EngineConfig
 from verifier.errors import InvalidRequestError, OverloadedError
-from verifier.policy import OffPolicy, StaticPolicy
+from protos.proposal import Proposal
+from verifier.controller import Controller, ControllerSettings, Decision
 from verifier.sampling_params import SamplingParams
 from verifier.sequence import FinishReason
 
@@ -32,7 +33,7 @@ def code_prompt(tokenizer):
 
 @pytest.fixture(scope="module")
 def plain(model, tokenizer):
-    return Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=256), None, OffPolicy())
+    return Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=256), None, Controller.off())
 
 
 def _first(engine, prompt, params, **kw):
@@ -94,7 +95,7 @@ def test_max_tokens_one_finishes_after_prefill(plain, code_prompt):
 
 def test_client_abort_frees_kv_and_proposer_state(model, tokenizer, code_prompt):
     proposer = NgramProposer()
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), proposer, StaticPolicy(4))
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), proposer, Controller.static(4))
 
     async def consume_two_events_then_leave():
         stream = engine.generate(code_prompt, SamplingParams(max_tokens=200, temperature=0.0))
@@ -168,7 +169,7 @@ class _ForgetfulProposer(NgramProposer):
 def test_failed_proposer_fails_open(model, tokenizer, code_prompt, plain):
     expected = _first(plain, code_prompt, GREEDY).token_ids
     proposer = _FailingProposer()
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), proposer, StaticPolicy(4))
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), proposer, Controller.static(4))
     r = _first(engine, code_prompt, GREEDY)
     assert r.token_ids == expected
     assert proposer.calls > 0 and engine.stats.num_proposer_failures == proposer.calls
@@ -178,36 +179,66 @@ def test_failed_proposer_fails_open(model, tokenizer, code_prompt, plain):
 def test_resync_recovers_exactly(model, tokenizer, code_prompt, plain):
     expected = _first(plain, code_prompt, GREEDY).token_ids
     proposer = _ForgetfulProposer()
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), proposer, StaticPolicy(4))
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), proposer, Controller.static(4))
     r = _first(engine, code_prompt, GREEDY)
     assert r.token_ids == expected
     assert engine.stats.num_resyncs > 0 and r.stats.accepted > 0
 
 
-class _FlippingPolicy:
-    """k drawn at random per sequence per round, 0 included (what the controller may do)."""
+class _RandomProposer:
+    """Drafts uniformly random token ids: nearly always rejected, sometimes a long draft."""
 
-    name = "flipping"
+    method = "random"
+
+    def __init__(self, vocab_size: int, seed: int):
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(seed)
+
+    async def propose(self, requests):
+        return [Proposal(r.seq_id, self.rng.integers(0, self.vocab_size, r.k, dtype=np.int32)) for r in requests]
+
+    def release(self, seq_ids):
+        pass
+
+
+class _FlippingController(Controller):
+    """A controller that changes its mind every round: method and k drawn at random per
+    sequence, 0 included, whatever the acceptance."""
 
     def __init__(self, seed: int):
+        super().__init__(ControllerSettings(policy="static"))
         self.rng = random.Random(seed)
+        self.seen: set[tuple[str | None, int]] = set()
 
-    def plan(self, seqs):
-        return [self.rng.choice([0, 1, 3, 8]) for _ in seqs]
+    def plan(self, seqs, available=None, num_prefill_tokens=0, num_prefill_seqs=0):
+        out = []
+        for _ in seqs:
+            k = self.rng.choice([0, 1, 3, 8])
+            method = self.rng.choice(self.methods) if k else None
+            self.seen.add((method, k))
+            out.append(Decision(method, k, "static"))
+        return out
 
 
-def test_k_changing_every_round_stays_exact(model, tokenizer, code_prompt, chat_prompt, plain):
+def test_controller_flipping_method_and_k_every_round_stays_exact(model, tokenizer, code_prompt, chat_prompt, plain):
     prompts = [code_prompt, chat_prompt, code_prompt[:40]]
     expected = [r.token_ids for r in plain.generate_sync(prompts, GREEDY)]
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512), NgramProposer(),
-                    _FlippingPolicy(seed=7))
-    assert [r.token_ids for r in engine.generate_sync(prompts, GREEDY)] == expected
+    controller = _FlippingController(seed=7)
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512),
+                    {"ngram": NgramProposer(), "random": _RandomProposer(model.config.vocab_size, seed=3)},
+                    controller)
+    results = engine.generate_sync(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected
+    # Both methods and every k were really used, and drafts were accepted.
+    assert {m for m, _ in controller.seen} == {None, "ngram", "random"}
+    assert {k for _, k in controller.seen} == {0, 1, 3, 8}
     assert engine.stats.num_accepted > 0
+    assert sum(r.stats.rounds_by_method.get("random", 0) for r in results) > 0
 
 
 def test_request_max_k_caps_speculation(model, tokenizer, code_prompt):
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), NgramProposer(),
-                    StaticPolicy(8))
+                    Controller.static(8))
     capped = engine.generate_sync([code_prompt], GREEDY, max_k=2)[0]
     assert capped.stats.rounds_with_drafts > 0 and capped.stats.drafted <= 2 * capped.stats.rounds_with_drafts
     off = engine.generate_sync([code_prompt], GREEDY, max_k=0)[0]
@@ -216,7 +247,7 @@ def test_request_max_k_caps_speculation(model, tokenizer, code_prompt):
 
 def test_seeded_sampling_is_reproducible(model, tokenizer, code_prompt):
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), NgramProposer(),
-                    StaticPolicy(4))
+                    Controller.static(4))
     p = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1234)
     a, b = engine.generate_sync([code_prompt, code_prompt], p)
     assert a.token_ids == b.token_ids  # same seed, same output, even batched together
@@ -228,7 +259,7 @@ def test_seeded_sampling_is_reproducible(model, tokenizer, code_prompt):
 def test_streaming_events_add_up(model, tokenizer, code_prompt, plain):
     expected = _first(plain, code_prompt, GREEDY)
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), NgramProposer(),
-                    StaticPolicy(4))
+                    Controller.static(4))
 
     async def collect():
         events = [out async for out in engine.generate(code_prompt, GREEDY)]
@@ -244,18 +275,39 @@ def test_streaming_events_add_up(model, tokenizer, code_prompt, plain):
     assert s.mean_acceptance_length == pytest.approx(1 + s.accepted / s.rounds_with_drafts)
 
 
-class _BrokenPolicy:
-    """A policy with a bug: the step fails; every client must hear about it, none may hang."""
+class _BrokenController(Controller):
+    """A controller with a bug: the step fails; every client must hear about it, none may hang."""
 
-    name = "broken"
-
-    def plan(self, seqs):
+    def plan(self, seqs, available=None, num_prefill_tokens=0, num_prefill_seqs=0):
         raise RuntimeError("controller bug")
 
 
 def test_a_failing_step_fails_its_requests_and_frees_them(model, tokenizer, code_prompt, chat_prompt):
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), NgramProposer(),
-                    _BrokenPolicy())
+                    _BrokenController())
     with pytest.raises(RuntimeError, match="controller bug"):
         engine.generate_sync([code_prompt, chat_prompt], GREEDY)  # the second one is still waiting
     assert engine.num_running == 0 and engine.num_waiting == 0 and engine.cache.num_used_slots == 0
+
+
+def test_goodput_controller_on_the_real_model(model, tokenizer, code_prompt, chat_prompt, plain):
+    """The default policy end to end: it profiles the step time before the first request,
+    stays exact, drafts where the answer quotes the prompt, and gives every round a reason."""
+    from verifier.controller import REASONS
+
+    prompts = [code_prompt, chat_prompt]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    expected = [r.token_ids for r in plain.generate_sync(prompts, params)]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), NgramProposer(),
+                    Controller(ControllerSettings(policy="goodput")))
+    assert engine.controller.needs_step_time
+    results = engine.generate_sync(prompts, params)
+    assert [r.token_ids for r in results] == expected
+    t = engine.controller.step_time
+    assert t is not None and [n for n, _ in t.points()][:2] == [1, 2] and t(1) > 0
+    code = results[0].stats
+    assert code.accepted > 0 and code.rounds_by_method == {"ngram": code.rounds_with_drafts}
+    for r in results:
+        assert set(r.stats.rounds_off) <= set(REASONS)
+        assert sum(r.stats.rounds_off.values()) + r.stats.rounds_with_drafts == r.stats.rounds
+    assert engine.cache.num_used_slots == 0 and engine.proposers["ngram"].num_sequences == 0

@@ -14,7 +14,7 @@ import torch
 
 from proposers.ngram import NgramProposer
 from verifier.engine import Engine, EngineConfig
-from verifier.policy import OffPolicy, StaticPolicy
+from verifier.controller import Controller
 from verifier.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def hf_greedy(hf_model, tokenizer, exactness_prompts):
 
 @pytest.fixture(scope="module")
 def plain_greedy(model, tokenizer, exactness_prompts):
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), None, OffPolicy())
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), None, Controller.off())
     results = engine.generate_sync(exactness_prompts, GREEDY)
     assert engine.stats.num_drafted == 0
     return [r.token_ids for r in results]
@@ -59,7 +59,7 @@ def test_plain_decoding_equals_hf_generate(plain_greedy, hf_greedy):
 def test_ngram_speculation_is_exact(k, batch, model, tokenizer, exactness_prompts, plain_greedy, hf_greedy):
     proposer = NgramProposer()
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=batch, max_model_len=512), proposer,
-                    StaticPolicy(k))
+                    Controller.static(k))
     results = engine.generate_sync(exactness_prompts, GREEDY)
     for i, (r, plain, ref) in enumerate(zip(results, plain_greedy, hf_greedy)):
         assert r.token_ids == plain, f"prompt {i} k={k} batch={batch}: {r.token_ids} != plain {plain}"

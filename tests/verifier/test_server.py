@@ -8,7 +8,7 @@ import pytest
 
 from proposers.ngram import NgramProposer
 from verifier.engine import Engine, EngineConfig
-from verifier.policy import OffPolicy, StaticPolicy
+from verifier.controller import Controller
 from verifier.sampling_params import SamplingParams
 from verifier.server import GenerateInput, VerifierServer
 
@@ -19,12 +19,12 @@ MAX_TOKENS = 12
 
 def _engine(model, tokenizer, max_waiting: int) -> Engine:
     return Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=256, max_waiting=max_waiting),
-                  NgramProposer(), StaticPolicy(4))
+                  NgramProposer(), Controller.static(4))
 
 
 @pytest.fixture(scope="module")
 def server(model, tokenizer):
-    return VerifierServer(_engine(model, tokenizer, max_waiting=2), "smollm2-135m", methods=("ngram",))
+    return VerifierServer(_engine(model, tokenizer, max_waiting=2), "smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def prompt(tokenizer):
 @pytest.fixture(scope="module")
 def plain_greedy(model, tokenizer, prompt):
     """The target's own greedy output, from an engine that never speculates."""
-    plain = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=256), None, OffPolicy())
+    plain = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=256), None, Controller.off())
     r = plain.generate_sync([list(prompt)], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
     assert plain.stats.num_drafted == 0 and len(r.token_ids) == MAX_TOKENS  # no EOS within 12 tokens
     return r.token_ids
@@ -107,7 +107,7 @@ def test_greedy_request_matches_plain_greedy(server, tokenizer, prompt, plain_gr
     assert final["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": MAX_TOKENS,
                               "total_tokens": len(prompt) + MAX_TOKENS}
     spec = final["speculation"]
-    assert spec["mode"] == "auto" and spec["method"] == "ngram"
+    assert spec["mode"] == "auto" and spec["rounds_by_method"]["ngram"] == spec["rounds_with_drafts"]
     # The output repeats the prompt, so n-gram drafts were verified (the check above means something).
     assert spec["drafted"] > 0 and spec["accepted"] > 0 and spec["num_output_tokens"] == MAX_TOKENS
 
@@ -118,8 +118,9 @@ def test_speculation_off_drafts_nothing(server, prompt, plain_greedy):
     out = _check_stream(events)
     assert out["token_ids"] == plain_greedy
     spec = out["final"]["speculation"]
-    assert spec["mode"] == "off" and spec["method"] is None
+    assert spec["mode"] == "off" and spec["rounds_by_method"] == {}
     assert spec["drafted"] == 0 and spec["rounds_with_drafts"] == 0 and spec["rounds"] == MAX_TOKENS - 1
+    assert spec["rounds_off"] == {"request_off": MAX_TOKENS - 1}
     assert len(events) == MAX_TOKENS  # one token per pass: prefill + 11 rounds
 
 
@@ -149,7 +150,7 @@ async def _wait_idle(engine: Engine) -> None:
 
 def test_overload_with_no_queue(model, tokenizer, prompt):
     engine = _engine(model, tokenizer, max_waiting=0)
-    server = VerifierServer(engine, "smollm2-135m", methods=("ngram",))
+    server = VerifierServer(engine, "smollm2-135m")
 
     async def run():
         running = [server.generate(_long(prompt)) for _ in range(2)]
@@ -171,7 +172,7 @@ def test_overload_with_no_queue(model, tokenizer, prompt):
 def test_overload_when_the_queue_is_full(model, tokenizer, prompt):
     """2 slots and 1 queue place: 2 requests run, a third waits, a fourth is refused."""
     engine = _engine(model, tokenizer, max_waiting=1)
-    server = VerifierServer(engine, "smollm2-135m", methods=("ngram",))
+    server = VerifierServer(engine, "smollm2-135m")
 
     async def run():
         running = [server.generate(_long(prompt)) for _ in range(2)]
@@ -202,6 +203,6 @@ def test_overload_when_the_queue_is_full(model, tokenizer, prompt):
         # Closing the streams aborts the requests; their slots are freed before the next step.
         await _wait_idle(engine)
         assert engine.num_running == 0 and engine.num_waiting == 0
-        assert engine.cache.num_used_slots == 0 and engine.proposer.num_sequences == 0
+        assert engine.cache.num_used_slots == 0 and engine.proposers["ngram"].num_sequences == 0
 
     asyncio.run(run())

@@ -67,18 +67,36 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "rounds_with_drafts", "drafted", "accepted", "mean_acceptance_length")
+    __slots__ = ("rounds", "rounds_with_drafts", "drafted", "accepted", "mean_acceptance_length", "rounds_by_method", "rounds_off")
+    class RoundsByMethodEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RoundsOffEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_WITH_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_BY_METHOD_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_OFF_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     rounds_with_drafts: int
     drafted: int
     accepted: int
     mean_acceptance_length: float
-    def __init__(self, rounds: _Optional[int] = ..., rounds_with_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ...) -> None: ...
+    rounds_by_method: _containers.ScalarMap[str, int]
+    rounds_off: _containers.ScalarMap[str, int]
+    def __init__(self, rounds: _Optional[int] = ..., rounds_with_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., rounds_by_method: _Optional[_Mapping[str, int]] = ..., rounds_off: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")

@@ -1,0 +1,234 @@
+"""The controller on synthetic acceptance and step-time curves (no model).
+
+Expected rounds and decisions are worked out by hand in the comments from the goodput
+formula of `verifier/controller.py`: with one sequence, T(n) = a + b n and proposer
+latency L, k drafts pay when (1 + S_k) / (T(1 + k) + L) > 1 / T(1), i.e.
+S_k (a + b) > k b + L, where S_k = alpha(1) + ... + alpha(k).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from verifier.controller import REASONS, AcceptanceEstimate, Controller, ControllerSettings, SequenceView, StepTimeModel
+
+A, B, L = 0.020, 0.0005, 0.001  # 20 ms fixed per pass, 0.5 ms per token, 1 ms proposer round trip
+MEMORY_BOUND = StepTimeModel.linear(A, B)
+COMPUTE_BOUND = StepTimeModel([(1, 0.002), (4096, 0.002 * 4096)])  # T(n) = 2 ms * n
+
+
+def _controller(step_time=MEMORY_BOUND, methods=("ngram",), **settings) -> Controller:
+    c = Controller(ControllerSettings(**settings), methods, step_time)
+    for m in methods:
+        c.observe_proposer(m, L)
+    return c
+
+
+def _one(c: Controller, view: SequenceView):
+    return c.plan([view])[0]
+
+
+# ---------------------------------------------------------------------- step time
+def test_step_time_interpolates_and_stays_monotone():
+    m = StepTimeModel([(1, 0.010), (16, 0.013), (32, 0.020)], ewma=0.5)
+    assert m(1) == pytest.approx(0.010) and m(0.5) == pytest.approx(0.010)
+    assert m(8.5) == pytest.approx(0.0115)  # halfway from 1 to 16
+    assert m(48) == pytest.approx(0.0200 + 0.007 * 16 / 16)  # the last segment, extended
+    m.observe(16, 1, 0.025)  # one sequence: the point takes it all, 13 -> 13 + 0.5 * 12 = 19 ms
+    assert m.points()[1] == (16, pytest.approx(0.019))
+    m.observe(1, 1, 0.030)  # 10 -> 20 ms, above T(16): T(16) and T(32) rise to keep T non-decreasing
+    assert [t for _, t in m.points()] == pytest.approx([0.020, 0.020, 0.020])
+    m.observe(100, 1, 1.0)  # far from every point, one sequence: ignored
+    assert m(32) == pytest.approx(0.020) and m.per_seq_s == 0
+
+
+def test_step_time_splits_errors_between_tokens_and_sequences():
+    m = StepTimeModel([(1, 0.010), (8, 0.012)], per_seq_s=0.002, ewma=0.5)
+    assert m(8, b=8) == pytest.approx(0.012 + 7 * 0.002)  # 26 ms
+    # Measured 40 ms: 14 ms too slow. Shares of the prediction: sequences 14/26, tokens 12/26.
+    m.observe(8, 8, 0.040)
+    assert m.per_seq_s == pytest.approx(0.002 + 0.5 * 0.014 * (14 / 26) / 7)
+    assert m.tokens_s(8) == pytest.approx(0.012 + 0.5 * 0.014 * (12 / 26))
+    # Far from every point with 4 sequences: only the per-sequence cost moves.
+    before = m.tokens_s(8)
+    m.observe(500, 4, 1.0)
+    assert m.tokens_s(8) == before and m.per_seq_s > 0.0025
+
+
+# ---------------------------------------------------------------------- turning off and back on
+def test_low_acceptance_sequence_is_off_within_seven_rounds_and_probed_back():
+    # Every draft is rejected at position 1: c(1) = 0.6 * 0.7^n after n rounds (EWMA 0.3),
+    # c(j >= 2) stays at the prior 0.6 (never observed), so S_k = c(1) (1 - 0.6^k) / 0.4 and
+    # k pays iff 51.25 c(1) (1 - 0.6^k) > 0.5 k + 1   (a + b = 20.5 ms, in ms).
+    #   n = 6: c(1) = 0.0706; k = 3: 2.84 > 2.5 -> still on;
+    #   n = 7: c(1) = 0.0494; k = 1..8 give 1.01 < 1.5, 1.62 < 2, 1.99 < 2.5, ... -> off.
+    c = _controller()
+    v = SequenceView("s")
+    ks = []
+    for _ in range(7):
+        d = _one(c, v)
+        assert d.k > 0 and d.reason == "goodput" and d.method == "ngram"
+        ks.append(d.k)
+        c.observe_round("s", d.method, d.k, 0)
+    assert ks[-1] == 3
+    assert c.acceptance("s", "ngram")[0] == pytest.approx(0.6 * 0.7 ** 7)
+    # Off from the 8th round; with perfect acceptance it would pay, so the reason is acceptance.
+    for _ in range(7):
+        d = _one(c, v)
+        assert (d.k, d.reason) == (0, "low_acceptance")
+    # 8 rounds after its last draft (probe_interval), a cheap probe of probe_k = 2 tokens.
+    probe = _one(c, v)
+    assert (probe.method, probe.k, probe.reason) == ("ngram", 2, "probe")
+    # The probe accepts both: c(1) = 0.0494 + 0.3 (1 - 0.0494) = 0.335, c(2) = 0.72; even
+    # discounted by the hysteresis (x 0.8), alpha(1) = 0.268 and 0.268 * 20.5 > 1.5: back on.
+    c.observe_round("s", "ngram", 2, 2)
+    assert c.acceptance("s", "ngram")[:2] == pytest.approx([0.6 * 0.7 ** 7 + 0.3 * (1 - 0.6 * 0.7 ** 7), 0.72])
+    d = _one(c, v)
+    assert d.k > 0 and d.reason == "goodput"
+    for _ in range(10):  # acceptance stays perfect: k climbs to max_k
+        c.observe_round("s", "ngram", d.k, d.k)
+        d = _one(c, v)
+    assert d.k == 8
+
+
+def _seed(c: Controller, seq_id: str, conditional: list[float], on: bool) -> None:
+    """Give a sequence a known acceptance estimate and on/off state."""
+    state = c._state(seq_id)
+    state.by_method["ngram"] = AcceptanceEstimate(conditional)
+    state.on = on
+
+
+def test_hysteresis_keeps_a_borderline_sequence_off():
+    # c(1) = 0.07, c(2..8) = 0.6. A sequence that is on keeps drafting:
+    #   k = 2: 51.25 * 0.07 * (1 - 0.6^2) = 2.30 > 2.0.
+    # One that is off counts 0.8 of it (alpha(1) = 0.056) and stays off:
+    #   k = 1..5: 1.15 < 1.5, 1.84 < 2.0, 2.25 < 2.5, 2.50 < 3.0, 2.65 < 3.5 (and worse after).
+    conditional = [0.07] + [0.6] * 7
+    c = _controller()
+    _seed(c, "on", conditional, on=True)
+    _seed(c, "off", conditional, on=False)
+    assert _one(c, SequenceView("on")).k >= 2
+    assert (_one(c, SequenceView("off")).k, _one(c, SequenceView("off")).reason) == (0, "low_acceptance")
+
+
+def test_compute_bound_batch_turns_everything_off():
+    # T(n) = 2 ms * n: k drafts cost 2k ms and return S_k < k tokens against the 1 token per
+    # 2 ms of plain decoding, whatever the acceptance. Even sequences that accepted every
+    # draft so far (c(j) -> 0.99) stay off, and no probes are sent.
+    c = _controller(step_time=COMPUTE_BOUND)
+    views = [SequenceView(f"s{i}") for i in range(8)]
+    for v in views:
+        for _ in range(12):
+            c.observe_round(v.seq_id, "ngram", 8, 8)
+    for _ in range(3 * c.settings.probe_interval):
+        decisions = c.plan(views)
+        assert [(d.k, d.reason) for d in decisions] == [(0, "batch_compute_bound")] * 8
+    # The same sequences on a memory-bound verifier all draft.
+    m = _controller()
+    for v in views:
+        for _ in range(12):
+            m.observe_round(v.seq_id, "ngram", 8, 8)
+    assert all(d.k == 8 and d.reason == "goodput" for d in m.plan(views))
+
+
+def test_batch_size_shrinks_k_on_a_curve_that_bends():
+    # Flat to 64 tokens (memory bound), then 1 ms per extra token (compute bound).
+    t = StepTimeModel([(1, 0.020), (64, 0.021), (4096, 0.021 + 0.001 * (4096 - 64))])
+    c = _controller(step_time=t)
+    for i in range(32):
+        for _ in range(12):
+            c.observe_round(f"s{i}", "ngram", 8, 6)  # c(1..6) -> 1, c(7) -> 0: 6 of 8 accepted
+    one = c.plan([SequenceView("s0")])[0].k
+    many = sum(d.k for d in c.plan([SequenceView(f"s{i}") for i in range(32)]))
+    assert one >= 6
+    # 32 sequences already fill half the flat part; far fewer drafts per sequence pay.
+    assert many < 32 * one / 2
+
+
+def test_slow_proposer_is_named():
+    c = _controller()
+    c.observe_proposer("ngram", 5.0)  # EWMA 0.2: 1 ms -> ~1 s round trip, far above a 20 ms pass
+    for _ in range(3):
+        c.observe_proposer("ngram", 5.0)
+    for _ in range(5):
+        c.observe_round("s", "ngram", 4, 4)
+    assert _one(c, SequenceView("s")).reason == "proposer_slow"
+
+
+# ---------------------------------------------------------------------- the request's own policy
+def test_request_policy_is_never_exceeded():
+    rng = random.Random(11)
+    for policy in ("off", "static", "batch_table", "goodput"):
+        c = _controller(policy=policy, methods=("ngram", "draft"), k=6)
+        for round_ in range(200):
+            views = []
+            for i in range(rng.randint(1, 12)):
+                views.append(SequenceView(
+                    f"s{i}", mode=rng.choice(["auto", "off", "on"]), method=rng.choice([None, "ngram", "draft"]),
+                    max_k=rng.choice([None, 0, 1, 3]), remaining_tokens=rng.choice([1, 2, 5, 1000])))
+            available = {"ngram": True, "draft": rng.random() < 0.8}
+            for v, d in zip(views, c.plan(views, available)):
+                assert d.reason in REASONS
+                assert d.k >= 0 and (d.k == 0) == (d.method is None), d
+                if v.mode == "off" or v.max_k == 0:
+                    assert (d.k, d.reason) == (0, "request_off")
+                if v.max_k is not None:
+                    assert d.k <= v.max_k
+                assert d.k <= max(v.remaining_tokens - 1, 0)
+                if d.k:
+                    assert available[d.method]
+                    if v.method is not None:
+                        assert d.method == v.method
+                if v.mode == "on" and d.k:
+                    assert d.reason == "request_on" and d.k == min(v.max_k or 6, v.remaining_tokens - 1)
+                if policy == "off" and v.mode == "auto":
+                    assert d.k == 0
+                if d.k:
+                    c.observe_round(v.seq_id, d.method, d.k, rng.randint(0, d.k))
+            c.observe_step(rng.randint(1, 100), len(views), rng.uniform(0.01, 0.05))
+
+
+def test_unavailable_method_gives_no_drafts():
+    c = _controller()
+    d = c.plan([SequenceView("a"), SequenceView("b", method="ngram")], {"ngram": False})
+    assert [(x.k, x.reason) for x in d] == [(0, "proposer_unavailable")] * 2
+    assert _controller(methods=()).plan([SequenceView("a")])[0].reason == "proposer_unavailable"
+
+
+def test_static_and_batch_table_policies():
+    s = _controller(policy="static", k=3)
+    assert [(d.k, d.reason) for d in s.plan([SequenceView("a"), SequenceView("b", max_k=1)])] == [
+        (3, "static"), (1, "static")]
+    # Rows {1: 4, 8: 2, 32: 0}: the largest batch size not above the batch applies.
+    t = _controller(policy="batch_table")
+    for batch, k in [(1, 4), (7, 4), (8, 2), (31, 2), (32, 0), (40, 0)]:
+        ds = t.plan([SequenceView(f"s{i}") for i in range(batch)])
+        assert {(d.k, d.reason) for d in ds} == {(k, "batch_table")}, batch
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="policy"):
+        ControllerSettings(policy="sometimes")
+    with pytest.raises(ValueError, match="batch_table"):
+        ControllerSettings(batch_table=((4, 2),))
+    with pytest.raises(ValueError, match="batch_table"):
+        ControllerSettings(batch_table=((1, 4), (1, 2)))
+
+
+# ---------------------------------------------------------------------- method choice
+def test_method_choice_follows_each_sequence_and_probes_the_other():
+    # "quoting" accepts every n-gram draft and no draft-model draft; "free" the reverse.
+    c = _controller(methods=("ngram", "draft"))
+    truth = {("quoting", "ngram"): 1.0, ("quoting", "draft"): 0.0, ("free", "ngram"): 0.0, ("free", "draft"): 1.0}
+    used = {("quoting", "ngram"): 0, ("quoting", "draft"): 0, ("free", "ngram"): 0, ("free", "draft"): 0}
+    views = [SequenceView("quoting"), SequenceView("free")]
+    for round_ in range(40):
+        for v, d in zip(views, c.plan(views)):
+            if d.k:
+                used[v.seq_id, d.method] += 1
+                c.observe_round(v.seq_id, d.method, d.k, d.k if truth[v.seq_id, d.method] else 0)
+    # Each settles on its own method; the other is only probed, about once per 8 rounds.
+    assert used["quoting", "ngram"] >= 30 and used["free", "draft"] >= 30
+    assert 2 <= used["quoting", "draft"] <= 8 and 2 <= used["free", "ngram"] <= 8

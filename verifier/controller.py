@@ -1,0 +1,518 @@
+"""The adaptive speculation controller: (method, k) per running sequence per round.
+
+Pure Python, no Ray or torch. The engine asks `plan` once per round and reports back:
+`observe_round` (a sequence's drafted and accepted tokens), `observe_step` (the verifier's
+pass time for its number of tokens) and `observe_proposer` (a method's round-trip time).
+
+What it maximises (DESIGN.md, "Controller") is batch goodput, tokens emitted per second
+of verifier time:
+
+    G(k_1..k_B) = sum_i E[tokens_i(k_i)] / (T(n + sum_i (k_i + 1)) + L)
+
+where n is the prompt tokens prefilled in the same pass, T the step-time curve, L the
+slowest proposer used this round (the methods are asked in parallel, before the pass) and
+
+    E[tokens_i(k)] = 1 + p_i (alpha_i(1) + ... + alpha_i(k)),   alpha_i(j) = c_i(1) * ... * c_i(j)
+
+with c_i(j) the sequence's EWMA of the conditional acceptance at position j (the share of
+rounds that accepted draft j among those that accepted drafts 1..j-1) and p_i the EWMA of
+the share of rounds in which the proposer had a draft at all (an n-gram proposer often has
+none; such a round costs the verifier nothing, so the k tokens count p_i k in T too).
+alpha_i(j) does not grow with j, so for a fixed budget the best split gives draft tokens to
+the largest alpha_i(j) over all sequences; the controller walks that order, evaluates G at
+every prefix and keeps the best: exact for a given method per sequence, whatever T's shape.
+
+Worked example: one sequence, T(n) = 20 ms + 0.5 ms * n, L = 1 ms. k = 1 pays when
+(1 + alpha(1)) / (T(2) + L) > 1 / T(1), i.e. alpha(1) > (0.5 + 1) / 20.5 = 0.073.
+
+Policies (`ControllerSettings.policy`):
+- `off`: never speculate (a request's `mode: on` still does);
+- `static`: k = `k` every round (vLLM's `num_speculative_tokens`);
+- `batch_table`: k by batch size, e.g. ((1, 4), (8, 2), (32, 0)): batches of 1-7 get 4,
+  8-31 get 2, 32 and up get 0 (vLLM / TensorRT-LLM style schedules);
+- `goodput` (default): the maximisation above, with hysteresis and probes.
+
+A request's own `speculation` always wins: `mode: off` (or `max_k: 0`) gives k = 0,
+`mode: on` a fixed k = its `max_k` (else `k`), `method` pins the method, and `max_k`
+caps whatever the policy chooses. Every decision carries a reason (`REASONS`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+POLICIES = ("off", "static", "batch_table", "goodput")
+
+#: Why a sequence got the k it got this round. k = 0 reasons first.
+REASONS = (
+    "request_off",  # the request asked for mode off or max_k 0
+    "policy_off",  # controller policy `off`
+    "proposer_unavailable",  # no live proposer for the method (none configured, all failing)
+    "low_acceptance",  # the sequence's acceptance does not pay for its drafts
+    "batch_compute_bound",  # the drafts would pay if verifying them were free, but the batch is compute bound
+    "proposer_slow",  # acceptance is fine but the proposer's round trip costs more than it saves
+    "length",  # at most one token left to emit (engine)
+    "resync",  # the proposer lost the sequence's state; it is resent this round (engine)
+    "proposer_failed",  # the proposer call failed or was late this round (engine)
+    "no_draft",  # the proposer had nothing to propose, e.g. no n-gram match (engine)
+    # k > 0
+    "request_on",  # the request asked for mode on (fixed k)
+    "static",
+    "batch_table",
+    "goodput",
+    "probe",  # a cheap periodic draft to re-measure an off sequence or an unused method
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerSettings:
+    """Tunables (the `controller` section of the YAML maps onto these)."""
+
+    policy: str = "goodput"
+    #: k of `static`, and of a `mode: on` request that gives no `max_k`.
+    k: int = 4
+    #: The most draft tokens `goodput` gives one sequence in one round.
+    max_k: int = 8
+    #: (min batch size, k) rows of `batch_table`, sorted by batch size.
+    batch_table: tuple[tuple[int, int], ...] = ((1, 4), (8, 2), (32, 0))
+    #: Weight of the newest observation in the per-sequence acceptance EWMA. At 0.3 a
+    #: sequence whose drafts all fail drops from c = 0.6 to 0.07 in 6 rounds.
+    acceptance_ewma: float = 0.3
+    #: Conditional acceptance assumed before a method has any observation (optimistic, so
+    #: new sequences try speculation and measure it).
+    prior_acceptance: float = 0.6
+    #: A sequence turned off for low acceptance, or a method a sequence does not use, is
+    #: probed with `probe_k` drafts once every `probe_interval` rounds.
+    probe_interval: int = 8
+    probe_k: int = 2
+    #: An off sequence's acceptance counts (1 - hysteresis) times when deciding to turn it
+    #: back on, so one lucky round does not flip it.
+    hysteresis: float = 0.2
+    #: Weight of the newest step and proposer-latency measurement in their EWMAs.
+    timing_ewma: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        if self.k < 0 or self.max_k < 0 or self.probe_k < 0:
+            raise ValueError(f"k, max_k and probe_k must be >= 0, got {self.k}, {self.max_k}, {self.probe_k}")
+        if self.probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
+        for name in ("acceptance_ewma", "timing_ewma"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if not 0 <= self.prior_acceptance <= 1 or not 0 <= self.hysteresis < 1:
+            raise ValueError(f"prior_acceptance in [0, 1] and hysteresis in [0, 1) required, "
+                             f"got {self.prior_acceptance}, {self.hysteresis}")
+        rows = [b for b, _ in self.batch_table]
+        if not rows or rows != sorted(rows) or len(set(rows)) != len(rows) or rows[0] != 1 or any(
+                k < 0 for _, k in self.batch_table):
+            raise ValueError(f"batch_table must be (batch size, k) rows with distinct increasing batch sizes "
+                             f"starting at 1 and k >= 0, got {self.batch_table}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceView:
+    """What the controller sees of one running sequence."""
+
+    seq_id: str
+    #: The request's `speculation.mode`: auto | off | on.
+    mode: str = "auto"
+    #: The request's pinned method, or None.
+    method: str | None = None
+    #: The request's cap on k (None: no cap).
+    max_k: int | None = None
+    #: Tokens the sequence may still emit; a round emits up to k + 1.
+    remaining_tokens: int = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    method: str | None
+    k: int
+    reason: str
+
+
+class StepTimeModel:
+    """T(n, b): seconds of one verifier pass over n tokens of b sequences,
+
+        T(n, b) = T_tokens(n) + per_seq_s * (b - 1)
+
+    T_tokens piecewise linear between points measured on one sequence (extrapolated along
+    the last segment); `per_seq_s` what each further sequence adds whatever its token count
+    (its attention over its own context, per-sequence kernel calls). Drafts add tokens, not
+    sequences, so their cost is T_tokens' slope. `observe` splits the error of a measured
+    pass between the nearest point (within 20% in n) and `per_seq_s` in proportion to their
+    shares of the prediction, by EWMA, and keeps T_tokens non-decreasing.
+
+    >>> m = StepTimeModel([(1, 0.02), (16, 0.03)], per_seq_s=0.004)
+    >>> round(m(8.5), 4), round(m(8.5, b=4), 4)
+    (0.025, 0.037)
+    """
+
+    def __init__(self, points: Sequence[tuple[int, float]], per_seq_s: float = 0.0, ewma: float = 0.2) -> None:
+        pts = sorted((int(n), float(t)) for n, t in points)
+        if not pts or pts[0][0] < 1 or per_seq_s < 0:
+            raise ValueError(f"need points with n >= 1 and per_seq_s >= 0, got {points}, {per_seq_s}")
+        self.n = [n for n, _ in pts]
+        self.t = [t for _, t in pts]
+        self.per_seq_s = per_seq_s
+        self.ewma = ewma
+        self._monotone(0)
+
+    @classmethod
+    def linear(cls, base_s: float, per_token_s: float, max_tokens: int = 4096) -> "StepTimeModel":
+        """T(n) = base_s + per_token_s * n, sequences free."""
+        return cls([(1, base_s + per_token_s), (max_tokens, base_s + per_token_s * max_tokens)])
+
+    def tokens_s(self, n: float) -> float:
+        ns, ts = self.n, self.t
+        if len(ns) == 1:
+            return ts[0] * max(n, 1) / ns[0] if n > ns[0] else ts[0]
+        if n <= ns[0]:
+            return ts[0]
+        i = min(bisect.bisect_left(ns, n), len(ns) - 1)
+        n0, n1, t0, t1 = ns[i - 1], ns[i], ts[i - 1], ts[i]
+        return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+
+    def __call__(self, n: float, b: int = 1) -> float:
+        return self.tokens_s(n) + self.per_seq_s * max(b - 1, 0)
+
+    def observe(self, n: int, b: int, seconds: float) -> None:
+        i = min(range(len(self.n)), key=lambda j: abs(math.log(self.n[j] / n)))
+        near = abs(math.log(self.n[i] / n)) <= math.log(1.2)
+        tok, seq = self.tokens_s(n), self.per_seq_s * max(b - 1, 0)
+        error = seconds - (tok + seq)
+        seq_share = seq / (tok + seq) if near else (1.0 if b > 1 else 0.0)
+        if b > 1:
+            self.per_seq_s = max(self.per_seq_s + self.ewma * error * seq_share / (b - 1), 0.0)
+        if near:
+            self.t[i] = max(self.t[i] + self.ewma * error * (1.0 - seq_share), 1e-6)
+            self._monotone(i)
+
+    def _monotone(self, anchor: int) -> None:
+        for j in range(anchor + 1, len(self.t)):
+            self.t[j] = max(self.t[j], self.t[j - 1])
+        for j in range(anchor - 1, -1, -1):
+            self.t[j] = min(self.t[j], self.t[j + 1])
+
+    def points(self) -> list[tuple[int, float]]:
+        return list(zip(self.n, self.t))
+
+
+class AcceptanceEstimate:
+    """EWMAs of the conditional acceptance c(j) at each draft position j = 1..max_k, and of
+    the share p of asks that returned any draft."""
+
+    __slots__ = ("c", "p")
+
+    def __init__(self, initial: Sequence[float], p: float = 1.0) -> None:
+        self.c = list(initial)
+        self.p = p
+
+    def observe(self, k: int, num_accepted: int, weight: float) -> None:
+        """A round that drafted k tokens (0: the proposer had none) and accepted the first
+        `num_accepted`: positions 1..num_accepted saw an acceptance, position
+        num_accepted + 1 (if <= k) a rejection, later positions nothing."""
+        self.p += weight * ((1.0 if k else 0.0) - self.p)
+        for j in range(min(num_accepted + 1, k, len(self.c))):
+            x = 1.0 if j < num_accepted else 0.0
+            self.c[j] += weight * (x - self.c[j])
+
+    def alphas(self, k: int) -> list[float]:
+        """alpha(1..k): probability that the first j drafts are all accepted."""
+        out, a = [], 1.0
+        for j in range(k):
+            a *= self.c[j]
+            out.append(a)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        return 1.0 + self.p * sum(self.alphas(k))
+
+
+@dataclasses.dataclass
+class _SeqState:
+    by_method: dict[str, AcceptanceEstimate] = dataclasses.field(default_factory=dict)
+    #: Whether the last auto decision gave drafts (for hysteresis), and if not, why.
+    on: bool = True
+    off_reason: str = ""
+    #: Rounds since the sequence last drafted with each method.
+    idle: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class Controller:
+    """Decides (method, k) per sequence each round; see the module docstring.
+
+    `methods` lists the configured proposal methods in preference order (ties go to the
+    earlier one). `step_time` is the verifier's T(n); `goodput` needs one, the engine
+    profiles it at start when it is missing.
+    """
+
+    def __init__(self, settings: ControllerSettings | None = None, methods: Sequence[str] = (),
+                 step_time: StepTimeModel | None = None) -> None:
+        self.settings = settings or ControllerSettings()
+        self.step_time = step_time
+        s = self.settings
+        self._max_positions = max(s.max_k, s.k, s.probe_k, max(k for _, k in s.batch_table), 1)
+        # Method-wide estimates: the prior of every new sequence.
+        self._global: dict[str, AcceptanceEstimate] = {}
+        self.set_methods(methods)
+        self._latency_s: dict[str, float] = {}
+        self._seqs: dict[str, _SeqState] = {}
+        #: Decisions since start, by reason (the source of the controller metrics).
+        self.decisions: collections.Counter[str] = collections.Counter()
+
+    def set_methods(self, methods: Sequence[str]) -> None:
+        """The configured methods, in preference order (the engine sets them from its proposers)."""
+        s = self.settings
+        self.methods = tuple(methods)
+        for m in self.methods:
+            self._global.setdefault(m, AcceptanceEstimate([s.prior_acceptance] * self._max_positions))
+
+    @classmethod
+    def off(cls) -> "Controller":
+        return cls(ControllerSettings(policy="off"))
+
+    @classmethod
+    def static(cls, k: int, methods: Sequence[str] = ()) -> "Controller":
+        return cls(ControllerSettings(policy="static", k=k), methods)
+
+    @property
+    def needs_step_time(self) -> bool:
+        return self.settings.policy == "goodput" and self.step_time is None
+
+    # ------------------------------------------------------------------ observations
+    def observe_round(self, seq_id: str, method: str, num_drafted: int, num_accepted: int) -> None:
+        """A round in which `method` returned `num_drafted` drafts (0: it had none) for the
+        sequence and the verifier accepted the first `num_accepted`."""
+        if method not in self._global:
+            return
+        k = num_drafted
+        assert 0 <= num_accepted <= k, f"{num_accepted=} {k=}"
+        w = self.settings.acceptance_ewma
+        self._estimate(self._state(seq_id), method).observe(k, num_accepted, w)
+        # The method-wide prior moves slower: it summarises many sequences.
+        self._global[method].observe(k, num_accepted, w / 4)
+
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """A verifier pass over `num_tokens` tokens of `num_seqs` sequences took `seconds`."""
+        if self.step_time is not None and num_tokens > 0:
+            self.step_time.observe(num_tokens, num_seqs, seconds)
+
+    def observe_proposer(self, method: str, seconds: float) -> None:
+        """A proposer round trip (a failure counts as the time it took to fail)."""
+        old = self._latency_s.get(method)
+        self._latency_s[method] = seconds if old is None else old + self.settings.timing_ewma * (seconds - old)
+
+    def latency_s(self, method: str) -> float:
+        return self._latency_s.get(method, 0.0)
+
+    def forget(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def acceptance(self, seq_id: str, method: str) -> list[float]:
+        """The sequence's conditional acceptance per position for `method` (a copy)."""
+        return list(self._estimate(self._state(seq_id), method).c)
+
+    def _state(self, seq_id: str) -> _SeqState:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = _SeqState()
+        return state
+
+    def _estimate(self, state: _SeqState, method: str) -> AcceptanceEstimate:
+        est = state.by_method.get(method)
+        if est is None:
+            g = self._global[method]
+            est = state.by_method[method] = AcceptanceEstimate(g.c, g.p)
+        return est
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, seqs: Sequence[SequenceView], available: Mapping[str, bool] | None = None,
+             num_prefill_tokens: int = 0, num_prefill_seqs: int = 0) -> list[Decision]:
+        """One decision per sequence, in order. `available[m]` False: method m has no live
+        proposer right now. `num_prefill_*`: prompts prefilled in the same pass."""
+        live = [m for m in self.methods if available is None or available.get(m, False)]
+        s = self.settings
+        decisions: list[Decision | None] = [None] * len(seqs)
+        auto: list[int] = []  # sequences the policy decides
+        for i, v in enumerate(seqs):
+            state = self._state(v.seq_id)
+            for m in live:
+                state.idle[m] = state.idle.get(m, 0) + 1
+            cap = self._cap(v)
+            if v.mode == "off" or v.max_k == 0:
+                decisions[i] = Decision(None, 0, "request_off")
+            elif cap == 0:
+                decisions[i] = Decision(None, 0, "length")
+            elif not (live if v.method is None else [m for m in live if m == v.method]):
+                decisions[i] = Decision(None, 0, "proposer_unavailable")
+            elif v.mode == "on":
+                method = self._choose_method(v, live)
+                self._mark(v.seq_id, method, on=True)
+                decisions[i] = Decision(method, min(v.max_k or s.k, cap), "request_on")
+            elif s.policy == "off":
+                decisions[i] = Decision(None, 0, "policy_off")
+            elif s.policy == "static":
+                decisions[i] = self._fixed(v, live, s.k, "static")
+            elif s.policy == "batch_table":
+                row = bisect.bisect_right([b for b, _ in s.batch_table], len(seqs)) - 1
+                decisions[i] = self._fixed(v, live, s.batch_table[row][1], "batch_table")
+            else:
+                auto.append(i)
+        if auto:
+            self._goodput(seqs, auto, decisions, live, num_prefill_tokens, len(seqs) + num_prefill_seqs)
+        out = [d for d in decisions if d is not None]
+        assert len(out) == len(seqs), f"{len(out)=} {len(seqs)=}"
+        for d in out:
+            self.decisions[d.reason] += 1
+        return out
+
+    def _cap(self, v: SequenceView) -> int:
+        cap = max(v.remaining_tokens - 1, 0)  # a round emits up to k + 1 tokens
+        cap = min(cap, self._max_positions)
+        return cap if v.max_k is None else min(cap, v.max_k)
+
+    def _fixed(self, v: SequenceView, live: list[str], k: int, reason: str) -> Decision:
+        k = min(k, self._cap(v))
+        if k == 0:
+            return Decision(None, 0, reason)
+        method = self._choose_method(v, live)
+        self._mark(v.seq_id, method, on=True)
+        return Decision(method, k, reason)
+
+    def _choose_method(self, v: SequenceView, live: list[str]) -> str:
+        """The pinned method, else the live one with the best solo goodput for this
+        sequence: max over k of E[tokens(k)] / (T(k + 1) + L)."""
+        if v.method is not None:
+            return v.method
+        if len(live) == 1:
+            return live[0]
+        state = self._state(v.seq_id)
+        cap = max(min(self._cap(v), self.settings.max_k), 1)
+        t = self.step_time or StepTimeModel([(1, 1.0)])
+
+        def score(m: str) -> float:
+            est = self._estimate(state, m)
+            return max(est.expected_tokens(k) / (t(1 + est.p * k) + self.latency_s(m)) for k in range(1, cap + 1))
+
+        return max(live, key=lambda m: (score(m), -live.index(m)))
+
+    def _mark(self, seq_id: str, method: str | None, on: bool) -> None:
+        state = self._state(seq_id)
+        state.on = on
+        if method is not None:
+            state.idle[method] = 0
+
+    def _goodput(self, seqs: Sequence[SequenceView], auto: list[int], decisions: list[Decision | None],
+                 live: list[str], num_prefill_tokens: int, batch: int) -> None:
+        s = self.settings
+        assert self.step_time is not None, "policy goodput needs a step-time model (Engine.profile_step_time)"
+
+        def t(n: float) -> float:  # this pass's time over n tokens: the batch is fixed
+            return self.step_time(n, batch)
+
+        # Tokens and expected emissions that are already fixed (other decisions, probes).
+        fixed_tokens = float(num_prefill_tokens + len(seqs))
+        fixed_expected = float(len(seqs))
+        fixed_methods: set[str] = set()
+        for d in decisions:
+            if d is not None and d.k > 0:
+                fixed_tokens += d.k
+                fixed_methods.add(d.method)
+        # Candidates: (marginal alpha, p, auto index, method); alpha per sequence non-increasing.
+        candidates: list[tuple[float, float, int, str]] = []
+        chosen: dict[int, str] = {}
+        for i in auto:
+            v = seqs[i]
+            state = self._state(v.seq_id)
+            method = self._choose_method(v, live)
+            chosen[i] = method
+            probe = self._probe(v, state, live, method)
+            if probe is not None:
+                decisions[i] = probe
+                self._mark(v.seq_id, probe.method, on=state.on)
+                est = self._estimate(state, probe.method)
+                fixed_tokens += est.p * probe.k
+                fixed_expected += est.p * sum(est.alphas(probe.k))
+                fixed_methods.add(probe.method)
+                continue
+            cap = min(self._cap(v), s.max_k)
+            est = self._estimate(state, method)
+            scale = 1.0 if state.on else 1.0 - s.hysteresis
+            candidates.extend((a * scale, est.p, i, method) for a in est.alphas(cap))
+        candidates.sort(key=lambda c: -c[0])
+
+        def latency(methods: set[str]) -> float:
+            return max((self.latency_s(m) for m in methods), default=0.0)
+
+        base_den = t(fixed_tokens) + latency(fixed_methods)
+        best_d, best_g = 0, fixed_expected / base_den
+        gained, tokens, methods = 0.0, 0.0, set(fixed_methods)
+        for d, (a, p, _, m) in enumerate(candidates, start=1):
+            gained += p * a
+            tokens += p
+            methods.add(m)
+            g = (fixed_expected + gained) / (t(fixed_tokens + tokens) + latency(methods))
+            if g > best_g:
+                best_d, best_g = d, g
+        ks = collections.Counter(i for _, _, i, _ in candidates[:best_d])
+        reasons: dict[tuple[int, str], str] = {}
+        for i in auto:
+            if decisions[i] is not None:
+                continue  # a probe
+            v = seqs[i]
+            if ks[i]:
+                decisions[i] = Decision(chosen[i], ks[i], "goodput")
+                self._mark(v.seq_id, chosen[i], on=True)
+                continue
+            self._mark(v.seq_id, None, on=False)
+            key = (min(self._cap(v), s.max_k), chosen[i])
+            if best_d == 0 and key not in reasons:
+                reasons[key] = self._why_nobody(t, key[0], self.latency_s(key[1]), fixed_expected, fixed_tokens,
+                                                latency(fixed_methods))
+            # With drafts elsewhere in the batch, others' drafts were simply worth more.
+            reason = "low_acceptance" if best_d > 0 else reasons[key]
+            self._state(v.seq_id).off_reason = reason
+            decisions[i] = Decision(None, 0, reason)
+
+    @staticmethod
+    def _why_nobody(t, cap: int, method_latency: float, expected: float, tokens: float, latency: float) -> str:
+        """Why no sequence drafts: would k drafts pay if all were accepted? If not even
+        with a free proposer, verifying them costs more than they give (compute bound);
+        if only with a free proposer, the proposer is too slow; else acceptance is low."""
+        base = expected / (t(tokens) + latency)
+
+        def pays(lat: float) -> bool:
+            # A 0.1% margin: a break-even (T linear through 0, all accepted) does not pay.
+            return any((expected + k) / (t(tokens + k) + lat) > base * 1.001 for k in range(1, cap + 1))
+
+        if not pays(latency):
+            return "batch_compute_bound"
+        if not pays(max(latency, method_latency)):
+            return "proposer_slow"
+        return "low_acceptance"
+
+    def _probe(self, v: SequenceView, state: _SeqState, live: list[str], chosen: str) -> Decision | None:
+        """A cheap draft for an off sequence (has its acceptance recovered?) or for a method
+        the sequence has not used lately (is it better now?), once per `probe_interval`."""
+        s = self.settings
+        k = min(s.probe_k, self._cap(v), s.max_k)
+        if k == 0:
+            return None
+        if not state.on:
+            # Only an acceptance-driven off is worth re-measuring: a compute-bound batch
+            # stays compute bound whatever this sequence's acceptance.
+            if state.off_reason != "batch_compute_bound" and state.idle.get(chosen, 0) >= s.probe_interval:
+                return Decision(chosen, k, "probe")
+            return None
+        if v.method is None:
+            for m in live:
+                if m != chosen and state.idle.get(m, 0) >= s.probe_interval:
+                    return Decision(m, k, "probe")
+        return None
