@@ -146,8 +146,10 @@ class StepTimeModel:
     the last segment); `per_seq_s` what each further sequence adds whatever its token count
     (its attention over its own context, per-sequence kernel calls). Drafts add tokens, not
     sequences, so their cost is T_tokens' slope. `observe` splits the error of a measured
-    pass between the nearest point (within 20% in n) and `per_seq_s` in proportion to their
-    shares of the prediction, by EWMA, and keeps T_tokens non-decreasing.
+    pass between the nearest point and `per_seq_s` in proportion to their shares of the
+    prediction, by EWMA, and keeps T_tokens non-decreasing. A pass with no point within 20%
+    of its n (a long prefill) is ignored: blaming its error on either term would skew the
+    decode-sized passes the controller plans.
 
     >>> m = StepTimeModel([(1, 0.02), (16, 0.03)], per_seq_s=0.004)
     >>> round(m(8.5), 4), round(m(8.5, b=4), 4)
@@ -184,15 +186,15 @@ class StepTimeModel:
 
     def observe(self, n: int, b: int, seconds: float) -> None:
         i = min(range(len(self.n)), key=lambda j: abs(math.log(self.n[j] / n)))
-        near = abs(math.log(self.n[i] / n)) <= math.log(1.2)
+        if abs(math.log(self.n[i] / n)) > math.log(1.2):
+            return
         tok, seq = self.tokens_s(n), self.per_seq_s * max(b - 1, 0)
         error = seconds - (tok + seq)
-        seq_share = seq / (tok + seq) if near else (1.0 if b > 1 else 0.0)
+        seq_share = seq / (tok + seq)
         if b > 1:
             self.per_seq_s = max(self.per_seq_s + self.ewma * error * seq_share / (b - 1), 0.0)
-        if near:
-            self.t[i] = max(self.t[i] + self.ewma * error * (1.0 - seq_share), 1e-6)
-            self._monotone(i)
+        self.t[i] = max(self.t[i] + self.ewma * error * (1.0 - seq_share), 1e-6)
+        self._monotone(i)
 
     def _monotone(self, anchor: int) -> None:
         for j in range(anchor + 1, len(self.t)):
