@@ -106,8 +106,6 @@ class _Work:
     method: str | None = None
     #: The controller's reason, or why the drafts did not come (resync, proposer_failed, ...).
     reason: str = ""
-    #: The k asked of the proposer (drafts may be fewer).
-    k_asked: int = 0
     emitted: list[int] = dataclasses.field(default_factory=list)
     num_accepted: int = 0
 
@@ -208,8 +206,7 @@ class Engine:
                 f"all {self.config.max_num_seqs} sequence slots are busy and {len(self._waiting)} requests wait "
                 f"(limit {self.config.max_waiting})"
             )
-        seq = self._new_sequence(list(prompt_token_ids), params, request_id, max_k)
-        seq.mode, seq.method = mode, method
+        seq = self._new_sequence(list(prompt_token_ids), params, request_id, max_k, mode, method)
         self._waiting.append(seq)
         self._ensure_loop()
         finished = False
@@ -324,7 +321,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def _new_sequence(self, prompt: list[int], params: SamplingParams, request_id: str | None,
-                      max_k: int | None) -> Sequence:
+                      max_k: int | None, mode: str, method: str | None) -> Sequence:
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
         detok = None
@@ -338,6 +335,8 @@ class Engine:
             params=params,
             max_k=max_k,
             generator=generator,
+            mode=mode,
+            method=method,
             detokenizer=detok,
             outputs=asyncio.Queue(),
         )
@@ -416,12 +415,15 @@ class Engine:
         for seq, d in zip(running, decisions):
             work = _Work(seq, [seq.output_token_ids[-1]], np.zeros(0, np.int32), None, d.method, d.reason)
             works.append(work)
-            k = self._clamp_k(seq, d.k)
-            if k == 0 or d.method not in self.proposers:
-                work.reason = work.reason if d.k == 0 else ("length" if d.method in self.proposers else
-                                                            "proposer_unavailable")
+            if d.k == 0:
                 continue
-            work.k_asked = k
+            if d.method not in self.proposers:
+                work.reason = "proposer_unavailable"
+                continue
+            k = self._clamp_k(seq, d.k)
+            if k == 0:
+                work.reason = "length"
+                continue
             synced = seq.synced_len.get(d.method, 0)
             by_method.setdefault(d.method, []).append((len(works) - 1, ProposalRequest(
                 seq_id=seq.request_id,
