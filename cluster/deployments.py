@@ -119,6 +119,7 @@ class VerifierReplica:
         import torch
 
         from cluster.local import engine_from_config, load_model_and_tokenizer, verifier_threads
+        from verifier.models.vocab import VocabFingerprint
         from verifier.routing import RoutedProposalSource
         from verifier.server import VerifierServer
 
@@ -130,8 +131,10 @@ class VerifierReplica:
         model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.tokenizer, cfg.model.dtype)
         # deployment name of each method, from the handles Serve passed in
         self._proposer_deployments = {p.method: h.deployment_name for p, h in zip(cfg.proposers, proposers)}
+        vocab = VocabFingerprint.of(tokenizer)  # model proposers with another vocabulary are refused
         self._routers = {
-            m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0) for m in self._proposer_deployments
+            m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0, vocab=vocab)
+            for m in self._proposer_deployments
         }
         methods = tuple(self._routers)
         engine = engine_from_config(cfg, model, tokenizer, self._routers)

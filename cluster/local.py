@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 from typing import Mapping
 
 from cluster.config import SplitspecConfig, VerifierConfig
 from protos.proposal import ProposalSource
 from proposers.registry import build_proposer
 from verifier.engine import Engine, EngineConfig
-from verifier.models.bundled import bundled_model_path
 from verifier.models.llama import LlamaModel
-from verifier.models.loader import load_model
+from verifier.models.loader import load_model_and_tokenizer, load_tokenizer  # noqa: F401 (re-exported)
 from verifier.models.tokenizer import Tokenizer
+from verifier.models.vocab import VocabFingerprint, incompatibility
 from verifier.controller import Controller
 
 #: Speculation method that means "no proposer".
@@ -34,26 +33,18 @@ class LocalEngineSpec:
     max_model_len: int = 2048
 
 
-def load_tokenizer(model: str | None, tokenizer: str | None = None, gguf_reader=None) -> Tokenizer:
-    """The tokenizer of `model`: from `tokenizer` (a directory) if given, else from the
-    GGUF metadata (read through `gguf_reader` when given) or the checkpoint directory."""
-    if tokenizer is not None:
-        return Tokenizer.from_dir(tokenizer)
-    path = pathlib.Path(model) if model is not None else bundled_model_path()
-    if path.is_dir():
-        return Tokenizer.from_dir(path)
-    return Tokenizer.from_gguf(gguf_reader if gguf_reader is not None else path)
-
-
-def load_model_and_tokenizer(model: str | None, tokenizer: str | None, dtype: str) -> tuple[LlamaModel, Tokenizer]:
-    """Both halves of a target, parsing a GGUF file once for the two."""
-    path = pathlib.Path(model) if model is not None else bundled_model_path()
-    reader = None
-    if path.suffix == ".gguf" and path.is_file():
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-    return load_model(model, dtype, gguf_reader=reader), load_tokenizer(model, tokenizer, gguf_reader=reader)
+def check_vocabularies(tokenizer: Tokenizer, proposers: Mapping[str, ProposalSource]) -> None:
+    """Raise `ValueError` naming the first mismatch when an in-process proposer drafts in a
+    vocabulary the target's cannot verify (remote ones are checked by their router)."""
+    target = None
+    for method, source in proposers.items():
+        vocab = getattr(source, "vocab", None)
+        if vocab is None:
+            continue
+        target = target or VocabFingerprint.of(tokenizer)
+        why = incompatibility(target, vocab)
+        if why is not None:
+            raise ValueError(f"proposer {method!r} cannot draft for this target: {why}")
 
 
 def build_local_engine(spec: LocalEngineSpec) -> Engine:
@@ -61,7 +52,9 @@ def build_local_engine(spec: LocalEngineSpec) -> Engine:
     config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
     if spec.speculation == OFF or spec.k == 0:
         return Engine(model, tokenizer, config, None, Controller.off())
-    return Engine(model, tokenizer, config, build_proposer(spec.speculation), Controller.static(spec.k))
+    proposer = build_proposer(spec.speculation)
+    check_vocabularies(tokenizer, {spec.speculation: proposer})
+    return Engine(model, tokenizer, config, proposer, Controller.static(spec.k))
 
 
 def verifier_threads(verifier: VerifierConfig) -> int | None:
@@ -76,6 +69,7 @@ def engine_from_config(config: SplitspecConfig, model: LlamaModel, tokenizer: To
     source, in the config's order) under the configured controller policy. Policy
     `goodput` profiles the step time here, before the first request."""
     v = config.verifier
+    check_vocabularies(tokenizer, proposers)
     engine = Engine(model, tokenizer, EngineConfig(
         max_num_seqs=v.max_num_seqs, max_model_len=v.max_model_len, max_waiting=v.max_waiting,
     ), dict(proposers), Controller(config.controller.settings(), tuple(proposers)))

@@ -39,8 +39,12 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         self._idle_ttl_s = idle_ttl_s
         self._last_seen: dict[str, float] = {}
         self._next_sweep = time.monotonic() + idle_ttl_s
+        vocab = getattr(source, "vocab", None)  # model proposers draft in a vocabulary
+        if tokenizer is None and vocab is not None:
+            tokenizer = vocab.to_proto()
         self.info = proposer_pb2.InfoResponse(
-            method=source.method, max_k=max_k, needs_hidden_states=needs_hidden_states,
+            method=source.method, max_k=max_k,
+            needs_hidden_states=needs_hidden_states or bool(getattr(source, "needs_hidden_states", False)),
             tokenizer=tokenizer, server_version=_version(),
         )
 
@@ -76,14 +80,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                 logger.warning("proposer %s: bad round %d: %s", self.info.method, message.round_id, exc)
                 self._source.release([r.seq_id for r in requests])
                 proposals = [Proposal(r.seq_id, np.zeros(0, np.int32), resync=True) for r in requests]
-            drafts = []
-            for p in proposals:
-                probs = b"" if p.draft_probs is None else np.asarray(p.draft_probs, dtype="<f4").tobytes()
-                vocab = 0 if p.draft_probs is None else int(np.shape(p.draft_probs)[-1])
-                drafts.append(proposer_pb2.SequenceDraft(
-                    seq_id=p.seq_id, draft_token_ids=np.asarray(p.draft_token_ids, dtype=np.int32).tolist(),
-                    draft_probs=probs, vocab_size=vocab, resync=p.resync,
-                ))
+            drafts = [_draft_message(p) for p in proposals]
             yield proposer_pb2.ProposeResponse(round_id=message.round_id, sequences=drafts)
 
 
@@ -95,6 +92,23 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             for seq_id in stale:
                 del self._last_seen[seq_id]
         self._next_sweep = now + min(self._idle_ttl_s, 10.0)
+
+
+def _draft_message(p: Proposal) -> proposer_pb2.SequenceDraft:
+    message = proposer_pb2.SequenceDraft(
+        seq_id=p.seq_id, draft_token_ids=np.asarray(p.draft_token_ids, dtype=np.int32).tolist(), resync=p.resync)
+    if p.draft_probs is None:
+        return message
+    probs = np.asarray(p.draft_probs, dtype="<f4")
+    message.vocab_size = probs.shape[-1]
+    width = int((probs > 0).sum(axis=-1).max(initial=0))
+    if 2 * width < probs.shape[-1]:  # sparse: ids + values, a few KB instead of 4 bytes x vocab per draft
+        ids = np.argsort(-probs, axis=-1, kind="stable")[:, :width]
+        message.draft_probs_token_ids.extend(ids.astype(np.int32).ravel().tolist())
+        message.draft_probs_values = np.take_along_axis(probs, ids, axis=-1).tobytes()
+    else:
+        message.draft_probs = probs.tobytes()
+    return message
 
 
 async def start_server(servicer: ProposerServicer, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:

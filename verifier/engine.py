@@ -110,6 +110,23 @@ class _Work:
     num_accepted: int = 0
 
 
+def _draft_probs(probs, num_drafts: int, vocab: int) -> np.ndarray | None:
+    """A proposal's q as float32 [num_drafts, vocab]. A proposer's vocabulary may be up to
+    128 ids smaller or larger (`verifier.models.vocab`): missing columns are 0, extra ones
+    (ids the target does not have, never drafted) are dropped. Rows that do not fit give
+    None: the draft then counts as one-hot q, which is still exact (rejection sampling with
+    a one-hot q follows p whatever distribution the token was drawn from), only accepts less."""
+    q = np.asarray(probs, dtype=np.float32)
+    if q.ndim != 2 or q.shape[0] < num_drafts:
+        logger.warning("proposer returned draft probabilities of shape %s for %d drafts; ignoring them",
+                       q.shape, num_drafts)
+        return None
+    q = q[:num_drafts, :vocab]
+    if q.shape[1] < vocab:
+        q = np.pad(q, ((0, 0), (0, vocab - q.shape[1])))
+    return q
+
+
 class Engine:
     """Serve one model with speculative decoding.
 
@@ -485,7 +502,7 @@ class Engine:
             return
         work.draft_token_ids = drafts
         if proposal.draft_probs is not None:
-            work.draft_probs = np.asarray(proposal.draft_probs, dtype=np.float32)[: drafts.size]
+            work.draft_probs = _draft_probs(proposal.draft_probs, drafts.size, vocab)
         work.input_token_ids.extend(drafts.tolist())
 
     def _execute(self, works: list[_Work]) -> float:

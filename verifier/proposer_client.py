@@ -113,5 +113,9 @@ def _to_proposals(requests: Sequence[ProposalRequest], response: proposer_pb2.Pr
         probs = None
         if d.draft_probs:
             probs = np.frombuffer(d.draft_probs, dtype="<f4").reshape(drafts.size, d.vocab_size)
+        elif d.draft_probs_token_ids:
+            ids = np.fromiter(d.draft_probs_token_ids, np.int64, len(d.draft_probs_token_ids)).reshape(drafts.size, -1)
+            probs = np.zeros((drafts.size, d.vocab_size), np.float32)
+            np.put_along_axis(probs, ids, np.frombuffer(d.draft_probs_values, dtype="<f4").reshape(ids.shape), axis=-1)
         proposals.append(Proposal(r.seq_id, drafts, probs, d.resync))
     return proposals

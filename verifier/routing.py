@@ -27,6 +27,8 @@ from typing import Sequence
 import numpy as np
 
 from protos.proposal import Proposal, ProposalRequest
+from protos.splitspec.v1 import proposer_pb2
+from verifier.models.vocab import VocabFingerprint, incompatibility
 from verifier.proposer_client import GrpcProposalSource, ProposerUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -52,12 +54,31 @@ class RouterStats:
     num_replica_set_changes: int = 0
 
 
+def vocab_incompatibility(target: VocabFingerprint, fingerprint: proposer_pb2.TokenizerFingerprint) -> str | None:
+    """Why a proposer with `fingerprint` (from its `Info`) cannot draft for `target`, or None."""
+    if (fingerprint.token_texts_sha256 == target.token_texts_sha256 and fingerprint.vocab_size == target.vocab_size
+            and fingerprint.vocab_type == target.vocab_type):  # the common case: the same tokenizer
+        texts = target.token_texts
+    else:
+        try:
+            texts = VocabFingerprint.from_proto(fingerprint).token_texts
+        except ValueError as exc:
+            return f"its tokenizer fingerprint is unreadable: {exc}"
+    theirs = VocabFingerprint(fingerprint.vocab_type, fingerprint.vocab_size,
+                              None if fingerprint.bos_token_id < 0 else fingerprint.bos_token_id,
+                              tuple(sorted(fingerprint.eos_token_ids)), texts)
+    why = incompatibility(target, theirs)
+    return None if why is None else f"its vocabulary cannot draft for the target: {why}"
+
+
 class RoutedProposalSource:
     """Route each sequence to one proposer replica; see the module docstring."""
 
     def __init__(self, method: str, deadline_s: float = 0.1, cooldown_s: float = 2.0,
-                 info_timeout_s: float = 2.0) -> None:
+                 info_timeout_s: float = 2.0, vocab: VocabFingerprint | None = None) -> None:
         self.method = method
+        #: The target's vocabulary: a replica whose `Info` names an incompatible one is refused.
+        self.vocab = vocab
         self.deadline_s = deadline_s
         self.cooldown_s = cooldown_s
         self.info_timeout_s = info_timeout_s
@@ -85,7 +106,8 @@ class RoutedProposalSource:
     async def set_replicas(self, addresses: Sequence[str]) -> bool:
         """Make `addresses` the replica set; return True when it changed.
 
-        A new replica is asked for its `Info` first; one that serves another method is
+        A new replica is asked for its `Info` first; one that serves another method, or
+        drafts in a vocabulary incompatible with the target's (`verifier.models.vocab`), is
         refused (logged once, listed in `refused`) and never gets traffic. One that does
         not answer `Info` yet is taken anyway: its rounds fail open until it does.
         """
@@ -119,6 +141,8 @@ class RoutedProposalSource:
             return None
         if info.method != self.method:
             return f"it serves method {info.method!r}, this deployment expects {self.method!r}"
+        if self.vocab is not None and info.HasField("tokenizer") and info.tokenizer.vocab_size:
+            return vocab_incompatibility(self.vocab, info.tokenizer)
         return None
 
     # ------------------------------------------------------------------ rounds

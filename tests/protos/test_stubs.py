@@ -23,7 +23,7 @@ def test_a_changed_proto_is_detected_as_drift(tmp_path):
     for proto in (REPO_ROOT / PROTO_SUBDIR).glob("*.proto"):
         shutil.copy(proto, tmp_path / PROTO_SUBDIR / proto.name)
     path = tmp_path / PROTO_SUBDIR / "proposer.proto"
-    path.write_text(path.read_text().replace("  bool resync = 5;\n", "  bool resync = 5;\n  bool extra = 6;\n"))
+    path.write_text(path.read_text().replace("  bool resync = 5;\n", "  bool resync = 5;\n  bool extra = 99;\n"))
     out = tmp_path / "out"
     out.mkdir()
     fresh = generate(out, tmp_path)

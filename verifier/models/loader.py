@@ -18,6 +18,7 @@ import torch
 from verifier.errors import ModelLoadError
 from verifier.models.config import ModelConfig, RopeScaling
 from verifier.models.llama import LayerWeights, LlamaModel
+from verifier.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,32 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str | torch.dtype 
     if p.suffix == ".gguf" and p.is_file():
         return _load_gguf(p, torch_dtype, gguf_reader)
     raise ModelLoadError(f"model path {str(p)!r} is neither a .gguf file nor a checkpoint directory")
+
+
+def load_tokenizer(model: str | None, tokenizer: str | None = None, gguf_reader=None) -> Tokenizer:
+    """The tokenizer of `model`: from `tokenizer` (a directory) if given, else from the
+    GGUF metadata (read through `gguf_reader` when given) or the checkpoint directory."""
+    if tokenizer is not None:
+        return Tokenizer.from_dir(tokenizer)
+    from verifier.models.bundled import bundled_model_path
+
+    path = pathlib.Path(model) if model is not None else bundled_model_path()
+    if path.is_dir():
+        return Tokenizer.from_dir(path)
+    return Tokenizer.from_gguf(gguf_reader if gguf_reader is not None else path)
+
+
+def load_model_and_tokenizer(model: str | None, tokenizer: str | None, dtype: str) -> tuple[LlamaModel, Tokenizer]:
+    """Both halves of a target, parsing a GGUF file once for the two."""
+    from verifier.models.bundled import bundled_model_path
+
+    path = pathlib.Path(model) if model is not None else bundled_model_path()
+    reader = None
+    if path.suffix == ".gguf" and path.is_file():
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+    return load_model(model, dtype, gguf_reader=reader), load_tokenizer(model, tokenizer, gguf_reader=reader)
 
 
 def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -109,6 +109,7 @@ class Tokenizer:
         suffix_token_ids: tuple[int, ...] = (),
         add_bos: bool = False,
         chat_template: str | None = None,
+        vocab_type: str = "gpt2",
     ) -> None:
         """Prefer the constructors. `prefix_token_ids` / `suffix_token_ids` are added
         around the text by `encode` when the backend has no post-processor doing it."""
@@ -122,6 +123,7 @@ class Tokenizer:
         self._suffix = suffix_token_ids
         self._add_bos = add_bos
         self._chat_template = chat_template
+        self._vocab_type = vocab_type
         self._compiled_template = _compile_chat_template(chat_template) if chat_template else None
 
     # --- construction -------------------------------------------------------------------
@@ -181,6 +183,7 @@ class Tokenizer:
             suffix_token_ids=(eos_id,) if add_eos else (),
             add_bos=add_bos,
             chat_template=chat_template,
+            vocab_type=model,
         )
 
     @classmethod
@@ -225,6 +228,7 @@ class Tokenizer:
             eos_token=eos_token,
             add_bos=add_bos,
             chat_template=chat_template,
+            vocab_type=_vocab_type(backend),
         )
 
     # --- properties ---------------------------------------------------------------------
@@ -253,6 +257,12 @@ class Tokenizer:
     def add_bos(self) -> bool:
         """Whether `encode(..., add_special_tokens=True)` starts with BOS."""
         return self._add_bos
+
+    @property
+    def vocab_type(self) -> str:
+        """The vocabulary's kind as GGUF names it: "gpt2" for byte-level BPE; for a
+        tokenizer directory with another model, that model's name in lower case."""
+        return self._vocab_type
 
     @property
     def chat_template(self) -> str | None:
@@ -370,6 +380,13 @@ def _eos_token_ids(
         if chat_template and marker in chat_template and token_id is not None:
             ids.add(token_id)
     return frozenset(ids)
+
+
+def _vocab_type(backend: tokenizers.Tokenizer) -> str:
+    model = type(backend.model).__name__  # BPE, Unigram, WordPiece, WordLevel
+    if model == "BPE" and type(backend.decoder).__name__ == "ByteLevel":
+        return "gpt2"
+    return model.lower()
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:

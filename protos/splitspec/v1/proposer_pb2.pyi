@@ -11,18 +11,20 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TokenizerFingerprint(_message.Message):
-    __slots__ = ("vocab_type", "vocab_size", "bos_token_id", "eos_token_ids", "token_texts_sha256")
+    __slots__ = ("vocab_type", "vocab_size", "bos_token_id", "eos_token_ids", "token_texts_sha256", "token_texts_zlib")
     VOCAB_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TEXTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_ZLIB_FIELD_NUMBER: _ClassVar[int]
     vocab_type: str
     vocab_size: int
     bos_token_id: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_texts_sha256: str
-    def __init__(self, vocab_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., token_texts_sha256: _Optional[str] = ...) -> None: ...
+    token_texts_zlib: bytes
+    def __init__(self, vocab_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., token_texts_sha256: _Optional[str] = ..., token_texts_zlib: _Optional[bytes] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("method", "max_k", "needs_hidden_states", "tokenizer", "server_version")
@@ -73,18 +75,22 @@ class ProposeRequest(_message.Message):
     def __init__(self, round_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SequenceDraft(_message.Message):
-    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "vocab_size", "resync")
+    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "vocab_size", "resync", "draft_probs_token_ids", "draft_probs_values")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_VALUES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: bytes
     vocab_size: int
     resync: bool
-    def __init__(self, seq_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
+    draft_probs_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs_values: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., resync: _Optional[bool] = ..., draft_probs_token_ids: _Optional[_Iterable[int]] = ..., draft_probs_values: _Optional[bytes] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("round_id", "sequences")

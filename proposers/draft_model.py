@@ -1,0 +1,224 @@
+"""Draft-model proposer: a small Llama-family model that shares the target's vocabulary.
+
+Each sequence owns a slot of the draft's own preallocated KV cache (`verifier.kv_cache`).
+Under the delta contract (`protos.proposal`) a round truncates the sequence to `base_len`
+and appends the committed tokens; the cache keeps every position whose token is still
+right, including the drafts of the last round that the verifier accepted, so a round
+feeds the draft only what it has not seen (usually 1-2 tokens) and then drafts k tokens
+autoregressively, all sequences of the round batched into each pass:
+
+    pass 0:        each sequence's unseen context tokens      -> logits of draft 1
+    pass 1..k-1:   draft j of every sequence still drafting   -> logits of draft j + 1
+
+Greedy requests (temperature 0) get the argmax. Sampled requests get tokens sampled from
+the draft's distribution at the request's temperature, restricted to its `sample_top_k`
+most likely tokens, together with that distribution (`Proposal.draft_probs`), so the
+verifier's rejection sampling accepts with min(1, p/q) and stays exact.
+
+Example (one sequence, k = 2): context [5, 6, 7] is new, so pass 0 feeds [5, 6, 7] and
+picks d1 = 8 from the logits after 7; pass 1 feeds 8 and picks d2 = 9. The cache now
+holds [5, 6, 7, 8]. The verifier accepts 8, rejects 9 and emits 4: the next request is
+base_len 3, append [8, 4]. 8 matches the cached draft, so only 4 is fed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import dataclasses
+import threading
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from protos.proposal import Proposal, ProposalRequest
+from verifier.models.llama import LlamaModel
+from verifier.models.vocab import VocabFingerprint
+
+
+def with_layers(model: LlamaModel, layers: Sequence[int]) -> LlamaModel:
+    """`model` running only the given layers, in the given order (same embeddings, final
+    norm and LM head): a draft in seconds for tests, as in self-speculative decoding. Its
+    acceptance is low: the first 8 of SmolLM2-135M's 30 layers accept ~0%, every layer but
+    the middle 12 a few tokens in ten."""
+    layers = list(layers)
+    if not layers or any(not 0 <= i < len(model.layers) for i in layers):
+        raise ValueError(f"layers must be indices in [0, {len(model.layers)}), got {layers}")
+    out = copy.copy(model)
+    out.layers = [model.layers[i] for i in layers]
+    out.config = dataclasses.replace(model.config, num_layers=len(layers))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelConfig:
+    #: KV slots. A new sequence beyond them evicts the least recently used one, which
+    #: answers `resync` when it comes back.
+    max_num_seqs: int = 16
+    #: Positions per slot (context plus drafts); a longer sequence gets no drafts.
+    max_model_len: int = 2048
+    #: Largest k drafted in one round; larger requests are capped.
+    max_k: int = 8
+    #: Sampled drafts come from the draft's `sample_top_k` most likely tokens (renormalised).
+    sample_top_k: int = 64
+    #: Seed of the sampling generator.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "max_k", "sample_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class _Seq:
+    slot: int
+    #: int32 buffer: the context (ctx_len tokens), then the drafts fed to the cache last round.
+    ids: np.ndarray
+    ctx_len: int = 0
+
+
+class DraftModelProposer:
+    """`ProposalSource` drafting with `model`; see the module docstring."""
+
+    needs_hidden_states = False
+
+    def __init__(self, model: LlamaModel, vocab: VocabFingerprint | None = None,
+                 config: DraftModelConfig | None = None, method: str = "draft") -> None:
+        self.method = method
+        self.model = model
+        #: The draft's vocabulary, sent in `Info` for the verifier's compatibility check.
+        self.vocab = vocab
+        self.config = config or DraftModelConfig()
+        self.max_k = self.config.max_k
+        self.cache = model.new_cache(self.config.max_num_seqs, self.config.max_model_len)
+        self._seqs: collections.OrderedDict[str, _Seq] = collections.OrderedDict()  # LRU order
+        self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._lock = threading.Lock()  # one round at a time on the cache (several streams may call)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        with self._lock:
+            for seq_id in seq_ids:
+                seq = self._seqs.pop(seq_id, None)
+                if seq is not None:
+                    self.cache.free(seq.slot)
+
+    async def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        # The passes release the GIL: off the event loop, so streams and health checks go on.
+        return await asyncio.to_thread(self.propose_sync, requests)
+
+    def propose_sync(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        with self._lock:
+            out: list[Proposal] = []
+            drafting: list[tuple[int, _Seq, int, float]] = []  # (request index, state, k, temperature)
+            for i, r in enumerate(requests):
+                seq = self._update(r)
+                if seq is None:
+                    out.append(Proposal(r.seq_id, np.zeros(0, np.int32), resync=True))
+                    continue
+                out.append(Proposal(r.seq_id, np.zeros(0, np.int32)))
+                room = self.config.max_model_len - seq.ctx_len + 1  # the last draft is never fed
+                k = min(r.k, self.max_k, room) if seq.ctx_len else 0
+                if k > 0:
+                    drafting.append((i, seq, k, float(r.temperature)))
+            if drafting:
+                for (i, _, _, _), (tokens, probs) in zip(drafting, self._draft(drafting)):
+                    out[i] = Proposal(requests[i].seq_id, tokens, probs)
+            return out
+
+    # ------------------------------------------------------------------ state
+    def _update(self, r: ProposalRequest) -> _Seq | None:
+        """Apply the delta; None when the state lacks `base_len` tokens (resync)."""
+        seq = self._seqs.get(r.seq_id)
+        if r.base_len > 0 and (seq is None or seq.ctx_len < r.base_len):
+            if seq is not None:
+                self._drop(r.seq_id)
+            return None
+        append = np.asarray(r.append_token_ids, dtype=np.int32)
+        if append.size and (append.min() < 0 or append.max() >= self.model.config.vocab_size):
+            raise ValueError(f"{r.seq_id}: append_token_ids outside [0, {self.model.config.vocab_size})")
+        new_len = r.base_len + append.size
+        if seq is None:
+            seq = self._new(r.seq_id, new_len)
+        else:
+            self._seqs.move_to_end(r.seq_id)
+        if new_len == 0:
+            return seq
+        kv_len = self.cache.lens[seq.slot]
+        # Cached positions past base_len stay valid as far as the appended tokens match them
+        # (last round's accepted drafts).
+        same = r.base_len
+        limit = min(kv_len, new_len)
+        if seq.ids.size < new_len + self.max_k:
+            grown = np.zeros(max(2 * seq.ids.size, new_len + self.max_k), np.int32)
+            grown[: seq.ids.size] = seq.ids
+            seq.ids = grown
+        while same < limit and seq.ids[same] == append[same - r.base_len]:
+            same += 1
+        seq.ids[r.base_len:new_len] = append
+        seq.ctx_len = new_len
+        # At least the last context token is fed again: its logits give draft 1.
+        self.cache.rollback(seq.slot, min(same, kv_len, new_len - 1))
+        return seq
+
+    def _new(self, seq_id: str, length: int) -> _Seq:
+        if self.cache.num_free_slots == 0:
+            oldest = next(iter(self._seqs))
+            self._drop(oldest)
+        seq = _Seq(self.cache.allocate(), np.zeros(max(256, 2 * length), np.int32))
+        self._seqs[seq_id] = seq
+        return seq
+
+    def _drop(self, seq_id: str) -> None:
+        seq = self._seqs.pop(seq_id)
+        self.cache.free(seq.slot)
+
+    # ------------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def _draft(self, drafting: list[tuple[int, _Seq, int, float]]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        vocab = self.model.config.vocab_size
+        tokens = [np.zeros(k, np.int32) for _, _, k, _ in drafting]
+        probs = [np.zeros((k, vocab), np.float32) if t > 0 else None for _, _, k, t in drafting]
+        # Pass 0: every sequence's unseen context.
+        feeds = [seq.ids[self.cache.lens[seq.slot]:seq.ctx_len] for _, seq, _, _ in drafting]
+        active = list(range(len(drafting)))
+        for j in range(max(k for _, _, k, _ in drafting)):
+            if j > 0:
+                active = [a for a in active if drafting[a][2] > j]
+                feeds = [tokens[a][j - 1 : j] for a in active]
+            num_tokens = [f.size for f in feeds]
+            flat = torch.from_numpy(np.concatenate(feeds).astype(np.int64))
+            last = torch.tensor(np.cumsum(num_tokens) - 1, dtype=torch.int64)
+            logits = self.model.forward(flat, [drafting[a][1].slot for a in active], num_tokens, self.cache, last)
+            picked = self._pick(logits, [drafting[a][3] for a in active], [probs[a] for a in active], j)
+            for a, token in zip(active, picked):
+                seq = drafting[a][1]
+                tokens[a][j] = token
+                seq.ids[seq.ctx_len + j] = token
+        # The cache now holds context + drafts 1..k-1: kept for the next round's match.
+        return list(zip(tokens, probs))
+
+    def _pick(self, logits: torch.Tensor, temperatures: list[float], probs: list[np.ndarray | None],
+              j: int) -> list[int]:
+        """Draft j of each row: the argmax (temperature 0), else a sample from the row's
+        top `sample_top_k` tokens at its temperature, whose distribution goes to probs[row][j]."""
+        out = logits.argmax(dim=-1).tolist()
+        sampled = [row for row, t in enumerate(temperatures) if t > 0]
+        if sampled:
+            rows = torch.tensor(sampled)
+            top = torch.topk(logits[rows], min(self.config.sample_top_k, logits.shape[-1]), dim=-1)
+            scale = torch.tensor([temperatures[row] for row in sampled], dtype=torch.float32).unsqueeze(1)
+            q = torch.softmax(top.values / scale, dim=-1)
+            choice = torch.multinomial(q, 1, generator=self._generator).squeeze(1)
+            tokens = top.indices.gather(1, choice.unsqueeze(1)).squeeze(1).tolist()
+            ids, values = top.indices.numpy(), q.numpy()
+            for i, row in enumerate(sampled):
+                out[row] = tokens[i]
+                probs[row][j, ids[i]] = values[i]
+        return out
