@@ -133,7 +133,7 @@ class VerifierReplica:
         self._proposer_deployments = {p.method: h.deployment_name for p, h in zip(cfg.proposers, proposers)}
         vocab = VocabFingerprint.of(tokenizer)  # model proposers with another vocabulary are refused
         self._routers = {
-            m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0, vocab=vocab)
+            m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0, target_vocab=vocab)
             for m in self._proposer_deployments
         }
         methods = tuple(self._routers)

@@ -75,10 +75,11 @@ class RoutedProposalSource:
     """Route each sequence to one proposer replica; see the module docstring."""
 
     def __init__(self, method: str, deadline_s: float = 0.1, cooldown_s: float = 2.0,
-                 info_timeout_s: float = 2.0, vocab: VocabFingerprint | None = None) -> None:
+                 info_timeout_s: float = 2.0, target_vocab: VocabFingerprint | None = None) -> None:
         self.method = method
         #: The target's vocabulary: a replica whose `Info` names an incompatible one is refused.
-        self.vocab = vocab
+        #: (Not `vocab`: a proposer's `vocab` is its own, which `cluster.local` checks.)
+        self.target_vocab = target_vocab
         self.deadline_s = deadline_s
         self.cooldown_s = cooldown_s
         self.info_timeout_s = info_timeout_s
@@ -141,8 +142,8 @@ class RoutedProposalSource:
             return None
         if info.method != self.method:
             return f"it serves method {info.method!r}, this deployment expects {self.method!r}"
-        if self.vocab is not None and info.HasField("tokenizer") and info.tokenizer.vocab_size:
-            return vocab_incompatibility(self.vocab, info.tokenizer)
+        if self.target_vocab is not None and info.HasField("tokenizer") and info.tokenizer.vocab_size:
+            return vocab_incompatibility(self.target_vocab, info.tokenizer)
         return None
 
     # ------------------------------------------------------------------ rounds

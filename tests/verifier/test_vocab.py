@@ -96,7 +96,7 @@ def test_router_refuses_an_incompatible_proposer_and_takes_a_compatible_one(mode
     async def run():
         servers = [await start_server(ProposerServicer(s, max_k=8)) for s in (good, bad)]
         good_address, bad_address = (f"127.0.0.1:{port}" for _, port in servers)
-        router = RoutedProposalSource("draft", deadline_s=2.0, vocab=target)
+        router = RoutedProposalSource("draft", deadline_s=2.0, target_vocab=target)
         try:
             await router.set_replicas([good_address, bad_address])
             assert router.addresses == [good_address]

@@ -21,6 +21,7 @@ it lives with the shared model code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import zlib
 
@@ -47,20 +48,20 @@ class VocabFingerprint:
         return cls(tokenizer.vocab_type, tokenizer.vocab_size, tokenizer.bos_token_id,
                    tuple(sorted(tokenizer.eos_token_ids)), texts)
 
+    @functools.cached_property
     def _texts_blob(self) -> bytes:
         return b"".join(t.encode("utf-8") + b"\0" for t in self.token_texts)
 
-    @property
+    @functools.cached_property
     def token_texts_sha256(self) -> str:
-        return hashlib.sha256(self._texts_blob()).hexdigest()
+        return hashlib.sha256(self._texts_blob).hexdigest()
 
     def to_proto(self) -> proposer_pb2.TokenizerFingerprint:
-        blob = self._texts_blob()
         return proposer_pb2.TokenizerFingerprint(
             vocab_type=self.vocab_type, vocab_size=self.vocab_size,
             bos_token_id=-1 if self.bos_token_id is None else self.bos_token_id,
-            eos_token_ids=list(self.eos_token_ids), token_texts_sha256=hashlib.sha256(blob).hexdigest(),
-            token_texts_zlib=zlib.compress(blob, 6),
+            eos_token_ids=list(self.eos_token_ids), token_texts_sha256=self.token_texts_sha256,
+            token_texts_zlib=zlib.compress(self._texts_blob, 6),
         )
 
     @classmethod
