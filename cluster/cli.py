@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import pathlib
@@ -140,6 +141,72 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    import shlex
+
+    import torch
+
+    from proposers.train import BUNDLED_DRAFT_DIR, BUNDLED_EAGLE_DIR, TrainDraftConfig, train_draft
+    from proposers.train_eagle import TrainEagleConfig, train_eagle
+    from verifier.models.loader import load_model_and_tokenizer
+
+    config_cls, recipe, default_out = {
+        "draft": (TrainDraftConfig, train_draft, BUNDLED_DRAFT_DIR),
+        "eagle": (TrainEagleConfig, train_eagle, BUNDLED_EAGLE_DIR),
+    }[args.what]
+    overrides = {}
+    for f in dataclasses.fields(config_cls):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            overrides[f.name] = tuple(value) if f.name == "init_layers" else value
+    try:
+        cfg = config_cls(**overrides)
+    except ValueError as exc:
+        raise InvalidRequestError(f"train {args.what}", str(exc)) from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = pathlib.Path(args.out) if args.out else default_out
+    target, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, "float32")
+    bad = [i for i in cfg.init_layers if not 0 <= i < target.config.num_layers]
+    if bad:
+        raise InvalidRequestError("init-layers", f"{bad} not in [0, {target.config.num_layers})")
+    command = f"splitspec train {args.what} " + " ".join(shlex.quote(a) for a in args.argv_tail)
+    info = recipe(target, tokenizer, out, cfg, base=args.model or "bundled", command=command.strip(),
+                  resume=args.resume)
+    print(json.dumps({"out": str(out), "held_out_agreement": info["held_out_agreement"],
+                      "total_s": info["total_s"]}))
+    return 0
+
+
+def _add_train_parser(sub) -> None:
+    from proposers.train import TrainDraftConfig
+    from proposers.train_eagle import TrainEagleConfig
+
+    t = sub.add_parser("train", help="train a proposer for the target on this machine")
+    tsub = t.add_subparsers(dest="what", required=True)
+    for what, config_cls, helptext in (
+        ("draft", TrainDraftConfig, "distil a small draft model from the target (proposers/train.py)"),
+        ("eagle", TrainEagleConfig, "distil an EAGLE head from the target (proposers/train_eagle.py)"),
+    ):
+        d = tsub.add_parser(what, help=helptext)
+        d.add_argument("--model", default=None, help="the target: a .gguf file or HF directory (default: bundled)")
+        d.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: from the model)")
+        d.add_argument("--out", default=None,
+                       help=f"output directory (default: the bundled {what}'s, under proposers/assets/)")
+        d.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt and OUT/corpus.pt")
+        d.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+        defaults = config_cls()
+        for f in dataclasses.fields(config_cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = getattr(defaults, f.name)
+            if f.name == "init_layers":
+                d.add_argument(flag, type=int, nargs="+", default=None, help=f"default {' '.join(map(str, default))}")
+            else:
+                d.add_argument(flag, type=str if default is None else type(default), default=None,
+                               help=f"default {default}")
+        d.set_defaults(func=_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitspec", description="Disaggregated speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -180,11 +247,18 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench import add_parser as add_serving_bench_parser
 
     add_serving_bench_parser(sub)
+    _add_train_parser(sub)
+
+    from cluster.models_fetch import add_parser as add_models_parser
+
+    add_models_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv_tail = argv[2:] if argv[:1] == ["train"] else argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -120,6 +120,7 @@ class VerifierReplica:
 
         from cluster.local import engine_from_config, load_model_and_tokenizer, verifier_threads
         from verifier.models.vocab import VocabFingerprint
+        from proposers.registry import NEEDS_HIDDEN_STATES
         from verifier.routing import RoutedProposalSource
         from verifier.server import VerifierServer
 
@@ -133,7 +134,8 @@ class VerifierReplica:
         self._proposer_deployments = {p.method: h.deployment_name for p, h in zip(cfg.proposers, proposers)}
         vocab = VocabFingerprint.of(tokenizer)  # model proposers with another vocabulary are refused
         self._routers = {
-            m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0, target_vocab=vocab)
+            m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0, target_vocab=vocab,
+                                    needs_hidden_states=m in NEEDS_HIDDEN_STATES)
             for m in self._proposer_deployments
         }
         methods = tuple(self._routers)

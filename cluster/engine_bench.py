@@ -1,7 +1,8 @@
 """`splitspec engine-bench`: the in-process engine, plain decoding vs speculation, side by side.
 
 One process, one model. For each repeat, workload and batch size it runs the same greedy
-requests with speculation off and with n-gram speculation (alternating which goes first),
+requests in each mode (default: speculation off and n-gram at k = 4; `--modes` adds e.g.
+`draft:4`, `eagle:4` or `auto`, the goodput controller over them), alternating the order,
 and — at batch 1 — through HF transformers' `generate` on the same weights and dtype.
 Figures are output tokens per second of wall time; the summary quotes medians over
 repeats of per-repeat ratios, because this machine is shared and noisy.
@@ -23,6 +24,7 @@ import time
 import torch
 
 from cluster.workloads import WORKLOADS, load_prompts
+from verifier.errors import InvalidRequestError
 from verifier.engine import Engine, EngineConfig
 from verifier.controller import Controller
 from verifier.sampling_params import SamplingParams
@@ -89,18 +91,35 @@ def _run_hf(hf, prompts: list[list[int]], max_tokens: int, eos_ids) -> tuple[lis
     return outputs, time.perf_counter() - start
 
 
+def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
+    """One engine per mode: "off", "METHOD:K" (that proposer, static k) or "auto" (the
+    goodput controller choosing among every method named in the modes, else n-gram)."""
+    from proposers.registry import build_proposer
+    from verifier.controller import ControllerSettings
+
+    config = EngineConfig(max_num_seqs=max(args.batch), max_model_len=args.max_model_len)
+    methods = sorted({m.split(":")[0] for m in args.modes if ":" in m}) or ["ngram"]
+    proposers = {m: build_proposer(m) for m in methods}
+    engines = {}
+    for mode in args.modes:
+        if mode == "off":
+            engines[mode] = Engine(model, tokenizer, config, None, Controller.off())
+        elif mode == "auto":
+            engines[mode] = Engine(model, tokenizer, config, proposers,
+                                   Controller(ControllerSettings(policy="goodput", max_k=8), tuple(proposers)))
+        else:
+            method, k = mode.split(":")
+            engines[mode] = Engine(model, tokenizer, config, {method: proposers[method]},
+                                   Controller.static(int(k), (method,)))
+    return engines
+
+
 def run(args: argparse.Namespace) -> dict:
     from cluster.local import load_model_and_tokenizer
-    from proposers.ngram import NgramProposer
     from verifier.models.loader import DTYPES
 
     model, tokenizer = load_model_and_tokenizer(args.model, None, args.dtype)
-    max_batch = max(args.batch)
-    config = EngineConfig(max_num_seqs=max_batch, max_model_len=args.max_model_len)
-    engines = {
-        "off": Engine(model, tokenizer, config, None, Controller.off()),
-        f"ngram:{args.k}": Engine(model, tokenizer, config, NgramProposer(), Controller.static(args.k)),
-    }
+    engines = _engines(args, model, tokenizer)
     hf = _load_hf(DTYPES[args.dtype]) if args.hf and args.model is None else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     prompts = {w: load_prompts(w, tokenizer)[: args.requests] for w in args.workload}
@@ -117,14 +136,15 @@ def run(args: argparse.Namespace) -> dict:
                     outputs[mode] = [r.token_ids for r in results]
                     rows.append(Row(repeat, w, batch, mode, len(results), tokens, wall, mal, rate))
                     _progress(rows[-1])
-                mismatches += sum(a != b for a, b in zip(*outputs.values()))
+                base = outputs.get("off", next(iter(outputs.values())))
+                mismatches += sum(a != b for out in outputs.values() for a, b in zip(out, base))
                 if hf is not None and batch == 1:
                     hf_out, wall = _run_hf(hf, prompts[w], args.max_tokens, tokenizer.eos_token_ids)
                     rows.append(Row(repeat, w, 1, "hf", len(hf_out), sum(map(len, hf_out)), wall, 1.0, 0.0))
                     _progress(rows[-1])
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": [
         {**dataclasses.asdict(r), "tokens_per_s": round(r.tokens_per_s, 2)} for r in rows
-    ], "summary": _ratios(rows, f"ngram:{args.k}"), "greedy_mismatches": mismatches}
+    ], "summary": _ratios(rows), "greedy_mismatches": mismatches}
     return report
 
 
@@ -134,39 +154,45 @@ def _progress(row: Row) -> None:
           f"mean acceptance length {row.mean_acceptance_length:.2f}", file=sys.stderr, flush=True)
 
 
-def _ratios(rows: list[Row], spec_mode: str) -> list[dict]:
-    """Median over repeats of per-repeat tokens/s ratios, per workload and batch."""
+def _ratios(rows: list[Row]) -> list[dict]:
+    """Per workload, batch and speculating mode: medians over repeats of tokens/s, of the
+    per-repeat ratio to "off", and of the mean acceptance length."""
     by_key: dict[tuple, dict[str, list[Row]]] = {}
     for r in rows:
         by_key.setdefault((r.workload, r.batch), {}).setdefault(r.mode, []).append(r)
     summary = []
     for (workload, batch), modes in by_key.items():
-        off = modes["off"]
-        spec = modes[spec_mode]
-        entry = {
-            "workload": workload,
-            "batch": batch,
-            "off_tokens_per_s_median": round(statistics.median(r.tokens_per_s for r in off), 2),
-            "spec_tokens_per_s_median": round(statistics.median(r.tokens_per_s for r in spec), 2),
-            "speedup_median": round(statistics.median(s.tokens_per_s / o.tokens_per_s for s, o in zip(spec, off)), 3),
-            "mean_acceptance_length": round(statistics.median(r.mean_acceptance_length for r in spec), 3),
-        }
-        if "hf" in modes:
-            entry["off_vs_hf_median"] = round(
-                statistics.median(o.tokens_per_s / h.tokens_per_s for o, h in zip(off, modes["hf"])), 3)
-        summary.append(entry)
+        off = modes.get("off")
+        for mode, spec in modes.items():
+            if mode in ("off", "hf"):
+                continue
+            entry = {
+                "workload": workload,
+                "batch": batch,
+                "mode": mode,
+                "spec_tokens_per_s_median": round(statistics.median(r.tokens_per_s for r in spec), 2),
+                "mean_acceptance_length": round(statistics.median(r.mean_acceptance_length for r in spec), 3),
+            }
+            if off:
+                entry["off_tokens_per_s_median"] = round(statistics.median(r.tokens_per_s for r in off), 2)
+                entry["speedup_median"] = round(
+                    statistics.median(s.tokens_per_s / o.tokens_per_s for s, o in zip(spec, off)), 3)
+                if "hf" in modes:
+                    entry["off_vs_hf_median"] = round(
+                        statistics.median(o.tokens_per_s / h.tokens_per_s for o, h in zip(off, modes["hf"])), 3)
+            summary.append(entry)
     return summary
 
 
 def _main(args: argparse.Namespace) -> int:
     report = run(args)
-    print(f"{'workload':<10} {'batch':>5} {'off tok/s':>10} {'ngram tok/s':>12} {'speedup':>8} "
+    print(f"{'workload':<10} {'batch':>5} {'mode':<9} {'off tok/s':>10} {'spec tok/s':>11} {'speedup':>8} "
           f"{'mean acc len':>13} {'off/HF':>7}")
     for s in report["summary"]:
-        print(f"{s['workload']:<10} {s['batch']:>5} {s['off_tokens_per_s_median']:>10} "
-              f"{s['spec_tokens_per_s_median']:>12} {s['speedup_median']:>8} {s['mean_acceptance_length']:>13} "
-              f"{s.get('off_vs_hf_median', '-'):>7}")
-    print(f"greedy mismatches between off and ngram: {report['greedy_mismatches']}")
+        print(f"{s['workload']:<10} {s['batch']:>5} {s['mode']:<9} {s.get('off_tokens_per_s_median', '-'):>10} "
+              f"{s['spec_tokens_per_s_median']:>11} {s.get('speedup_median', '-'):>8} "
+              f"{s['mean_acceptance_length']:>13} {s.get('off_vs_hf_median', '-'):>7}")
+    print(f"greedy mismatches against off: {report['greedy_mismatches']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
@@ -184,7 +210,10 @@ def add_parser(sub) -> None:
     p.add_argument("--workload", action="append", choices=WORKLOADS,
                    help="repeatable (default: code_edit and chat)")
     p.add_argument("--batch", type=_int_list, default=[1, 8], help="comma-separated batch sizes (default 1,8)")
-    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--k", type=int, default=4, help="k of the default modes (off,ngram:K)")
+    p.add_argument("--modes", default=None,
+                   help="comma-separated: off, METHOD:K (e.g. draft:4, eagle:4) or auto (the goodput controller "
+                        "over the methods named); default off,ngram:K")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--requests", type=int, default=8, help="prompts per workload")
@@ -196,4 +225,8 @@ def add_parser(sub) -> None:
 
 def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.workload = args.workload or ["code_edit", "chat"]
+    args.modes = [m for m in (args.modes or f"off,ngram:{args.k}").split(",") if m]
+    for mode in args.modes:
+        if mode not in ("off", "auto") and not (":" in mode and mode.split(":")[1].isdigit()):
+            raise InvalidRequestError("modes", f"{mode!r} is not off, auto or METHOD:K")
     return args

@@ -27,6 +27,9 @@ import asyncio
 import collections
 import copy
 import dataclasses
+import hashlib
+import json
+import pathlib
 import threading
 from typing import Sequence
 
@@ -34,7 +37,9 @@ import numpy as np
 import torch
 
 from protos.proposal import Proposal, ProposalRequest
-from verifier.models.llama import LlamaModel
+from verifier.errors import ModelLoadError
+from verifier.models.config import ModelConfig
+from verifier.models.llama import LayerWeights, LlamaModel
 from verifier.models.vocab import VocabFingerprint
 
 
@@ -50,6 +55,73 @@ def with_layers(model: LlamaModel, layers: Sequence[int]) -> LlamaModel:
     out.layers = [model.layers[i] for i in layers]
     out.config = dataclasses.replace(model.config, num_layers=len(layers))
     return out
+
+
+def is_trained_draft(path: str | pathlib.Path) -> bool:
+    """Whether `path` is a directory written by `splitspec train draft`."""
+    cfg = pathlib.Path(path) / "config.json"
+    return cfg.is_file() and "splitspec" in json.loads(cfg.read_text())
+
+
+def load_trained_draft(path: str | pathlib.Path, target: LlamaModel, target_vocab: VocabFingerprint,
+                       dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, np.ndarray]:
+    """A draft written by `splitspec train draft` (`proposers/train.py`), built on `target`'s
+    embeddings; returns the model and its `token_map` (LM-head column -> target id).
+
+    Raises `ModelLoadError` when the weights do not match their recorded sha256 or the draft
+    was trained for another vocabulary than `target_vocab`.
+    """
+    from safetensors.torch import load_file
+
+    path = pathlib.Path(path)
+    meta = json.loads((path / "config.json").read_text())
+    info = meta.get("splitspec", {})
+    if info.get("kind") != "draft" or info.get("embeddings") != "target":
+        raise ModelLoadError(f"{path}: config.json is not a splitspec draft (splitspec.kind {info.get('kind')!r})")
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise ModelLoadError(f"{path}: no model.safetensors (see `splitspec train draft`)")
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    if digest != info.get("weights_sha256"):
+        raise ModelLoadError(f"{weights}: sha256 {digest} does not match config.json's weights_sha256 "
+                             f"{info.get('weights_sha256')}; the file is corrupt or was replaced")
+    fp = info.get("tokenizer_fingerprint", {})
+    if fp.get("token_texts_sha256") != target_vocab.token_texts_sha256 or fp.get("vocab_size") != target_vocab.vocab_size:
+        raise ModelLoadError(f"{path}: trained for another vocabulary ({fp.get('vocab_size')} tokens, texts sha256 "
+                             f"{str(fp.get('token_texts_sha256'))[:12]}...) than the target's "
+                             f"({target_vocab.vocab_size} tokens, {target_vocab.token_texts_sha256[:12]}...)")
+    config = ModelConfig.from_hf(meta)
+    tc = target.config
+    if (config.hidden_size, config.vocab_size) != (tc.hidden_size, tc.vocab_size):
+        raise ModelLoadError(f"{path}: hidden size {config.hidden_size} and vocabulary {config.vocab_size} do not "
+                             f"match the target's {tc.hidden_size} and {tc.vocab_size}")
+    tensors = load_file(str(weights))
+    vocab_ids = tensors.pop("splitspec.vocab_ids").numpy().astype(np.int64)
+    if vocab_ids.min() < 0 or vocab_ids.max() >= tc.vocab_size:
+        raise ModelLoadError(f"{weights}: splitspec.vocab_ids outside [0, {tc.vocab_size})")
+
+    def need(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ModelLoadError(f"{weights}: missing tensor {name!r}")
+        return tensors[name].to(dtype)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        bias = [tensors.get(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
+        layers.append(LayerWeights(
+            input_norm=need(p + "input_layernorm.weight"),
+            wqkv=torch.cat([need(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
+            bqkv=torch.cat(bias).to(dtype) if all(b is not None for b in bias) else None,
+            wo=need(p + "self_attn.o_proj.weight"),
+            post_norm=need(p + "post_attention_layernorm.weight"),
+            w_gate_up=torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")]).contiguous(),
+            w_down=need(p + "mlp.down_proj.weight"),
+        ))
+    embed = target.embed.to(dtype)
+    head = target.lm_head.to(dtype)[torch.from_numpy(vocab_ids)].contiguous()
+    model = LlamaModel(config, embed, layers, need("model.norm.weight"), head, dtype)
+    return model, vocab_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +158,15 @@ class DraftModelProposer:
     needs_hidden_states = False
 
     def __init__(self, model: LlamaModel, vocab: VocabFingerprint | None = None,
-                 config: DraftModelConfig | None = None, method: str = "draft") -> None:
+                 config: DraftModelConfig | None = None, method: str = "draft",
+                 token_map: np.ndarray | None = None) -> None:
         self.method = method
         self.model = model
+        #: Target id of each LM-head column when the draft's head covers a subset of the
+        #: vocabulary (`load_trained_draft`); None when column c is id c.
+        self.token_map = None if token_map is None else torch.from_numpy(np.asarray(token_map, np.int64))
+        if self.token_map is not None and self.token_map.shape[0] != model.lm_head.shape[0]:
+            raise ValueError(f"token_map has {self.token_map.shape[0]} ids for {model.lm_head.shape[0]} LM-head rows")
         #: The draft's vocabulary, sent in `Info` for the verifier's compatibility check.
         self.vocab = vocab
         self.config = config or DraftModelConfig()
@@ -208,7 +286,8 @@ class DraftModelProposer:
               j: int) -> list[int]:
         """Draft j of each row: the argmax (temperature 0), else a sample from the row's
         top `sample_top_k` tokens at its temperature, whose distribution goes to probs[row][j]."""
-        out = logits.argmax(dim=-1).tolist()
+        best = logits.argmax(dim=-1)
+        out = (best if self.token_map is None else self.token_map[best]).tolist()
         sampled = [row for row, t in enumerate(temperatures) if t > 0]
         if sampled:
             rows = torch.tensor(sampled)
@@ -216,8 +295,9 @@ class DraftModelProposer:
             scale = torch.tensor([temperatures[row] for row in sampled], dtype=torch.float32).unsqueeze(1)
             q = torch.softmax(top.values / scale, dim=-1)
             choice = torch.multinomial(q, 1, generator=self._generator).squeeze(1)
-            tokens = top.indices.gather(1, choice.unsqueeze(1)).squeeze(1).tolist()
-            ids, values = top.indices.numpy(), q.numpy()
+            top_ids = top.indices if self.token_map is None else self.token_map[top.indices]
+            tokens = top_ids.gather(1, choice.unsqueeze(1)).squeeze(1).tolist()
+            ids, values = top_ids.numpy(), q.numpy()
             for i, row in enumerate(sampled):
                 out[row] = tokens[i]
                 probs[row][j, ids[i]] = values[i]

@@ -13,25 +13,76 @@ def _ngram(options: dict[str, Any]) -> ProposalSource:
 
 
 def _draft(options: dict[str, Any]) -> ProposalSource:
-    """Options: `path` (GGUF file or HF directory; default the bundled model), `tokenizer`
-    (a directory, else the model's own), `dtype`, `layers` (run only these layer indices,
-    e.g. for a self-speculative draft of the target), and the fields of `DraftModelConfig`."""
-    from proposers.draft_model import DraftModelConfig, DraftModelProposer, with_layers
-    from verifier.models.loader import load_model_and_tokenizer
+    """Options: `path` (a directory written by `splitspec train draft`, a GGUF file or an
+    HF directory; default the draft trained for the bundled model, committed under
+    `proposers/assets/`), `base` (the target whose embeddings a trained draft uses; default
+    the bundled model), `tokenizer` (a directory, else the model's own), `dtype`, `layers`
+    (run only these layer indices of a plain model, e.g. a self-speculative draft of the
+    target), and the fields of `DraftModelConfig`."""
+    import torch
+
+    from proposers.draft_model import (DraftModelConfig, DraftModelProposer, is_trained_draft, load_trained_draft,
+                                       with_layers)
+    from proposers.train import BUNDLED_DRAFT_DIR
+    from verifier.errors import ModelLoadError
+    from verifier.models.loader import DTYPES, load_model_and_tokenizer
     from verifier.models.vocab import VocabFingerprint
 
     options = dict(options)
-    path, tokenizer_dir = options.pop("path", None), options.pop("tokenizer", None)
+    path, base = options.pop("path", None), options.pop("base", None)
+    tokenizer_dir = options.pop("tokenizer", None)
     dtype, layers = options.pop("dtype", "float32"), options.pop("layers", None)
     config = DraftModelConfig(**options)
+    if path is None:
+        if not is_trained_draft(BUNDLED_DRAFT_DIR):
+            raise ModelLoadError(f"no trained draft in {BUNDLED_DRAFT_DIR}: run `splitspec train draft`, "
+                                 f"or set the draft proposer's `path`")
+        path = BUNDLED_DRAFT_DIR
+    if is_trained_draft(path):
+        if layers is not None:
+            raise ValueError("option `layers` applies to a plain model, not to a trained draft")
+        target, tokenizer = load_model_and_tokenizer(base, tokenizer_dir, "float32")
+        vocab = VocabFingerprint.of(tokenizer)
+        model, token_map = load_trained_draft(path, target, vocab, DTYPES.get(dtype, torch.float32))
+        return DraftModelProposer(model, vocab, config, token_map=token_map)
     model, tokenizer = load_model_and_tokenizer(path, tokenizer_dir, dtype)
     if layers is not None:
         model = with_layers(model, [int(i) for i in layers])
     return DraftModelProposer(model, VocabFingerprint.of(tokenizer), config)
 
 
+def _eagle(options: dict[str, Any]) -> ProposalSource:
+    """Options: `path` (an EAGLE head directory: config.json + *.safetensors, the published
+    EAGLE-1 layout or one written by `splitspec train eagle`; default the head trained for
+    the bundled model, committed under `proposers/assets/`), `base` (the target; default the
+    bundled model), `tokenizer`, `dtype`, and the fields of `DraftModelConfig`."""
+    import torch
+
+    from proposers.draft_model import DraftModelConfig
+    from proposers.eagle import EagleProposer, load_eagle
+    from proposers.train import BUNDLED_EAGLE_DIR
+    from verifier.errors import ModelLoadError
+    from verifier.models.loader import DTYPES, load_model_and_tokenizer
+    from verifier.models.vocab import VocabFingerprint
+
+    options = dict(options)
+    path, base = options.pop("path", None), options.pop("base", None)
+    tokenizer_dir, dtype = options.pop("tokenizer", None), options.pop("dtype", "float32")
+    config = DraftModelConfig(**options)
+    if path is None:
+        if not (BUNDLED_EAGLE_DIR / "config.json").is_file():
+            raise ModelLoadError(f"no trained EAGLE head in {BUNDLED_EAGLE_DIR}: run `splitspec train eagle`, "
+                                 f"or set the eagle proposer's `path`")
+        path = BUNDLED_EAGLE_DIR
+    target, tokenizer = load_model_and_tokenizer(base, tokenizer_dir, "float32")
+    vocab = VocabFingerprint.of(tokenizer)
+    return EagleProposer(load_eagle(path, target, vocab, DTYPES.get(dtype, torch.float32)), vocab, config)
+
+
 #: method name -> factory(options) building an in-process ProposalSource.
-PROPOSERS: dict[str, Callable[[dict[str, Any]], ProposalSource]] = {"ngram": _ngram, "draft": _draft}
+PROPOSERS: dict[str, Callable[[dict[str, Any]], ProposalSource]] = {"ngram": _ngram, "draft": _draft, "eagle": _eagle}
+#: Methods whose proposers read the target's hidden states (sent in the proposer stream).
+NEEDS_HIDDEN_STATES = frozenset({"eagle"})
 
 
 def build_proposer(method: str, options: dict[str, Any] | None = None) -> ProposalSource:

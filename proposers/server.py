@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protos.proposal import Proposal, ProposalRequest, ProposalSource
+from protos.proposal import Proposal, ProposalRequest, ProposalSource, hidden_states_from_proto
 from protos.splitspec.v1 import proposer_pb2, proposer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -62,24 +62,26 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                 self._last_seen[s.seq_id] = now
             if now >= self._next_sweep:
                 self._sweep(now)
-            requests = [
-                ProposalRequest(
-                    seq_id=s.seq_id,
-                    base_len=s.base_len,
-                    append_token_ids=np.fromiter(s.append_token_ids, np.int32, len(s.append_token_ids)),
-                    k=s.k,
-                    temperature=s.temperature,
-                )
-                for s in message.sequences
-            ]
             try:
+                requests = [
+                    ProposalRequest(
+                        seq_id=s.seq_id,
+                        base_len=s.base_len,
+                        append_token_ids=np.fromiter(s.append_token_ids, np.int32, len(s.append_token_ids)),
+                        k=s.k,
+                        temperature=s.temperature,
+                        hidden_states=hidden_states_from_proto(s.hidden_states),
+                    )
+                    for s in message.sequences
+                ]
                 proposals = await self._source.propose(requests)
             except ValueError as exc:
                 # A malformed delta: drop those sequences' state and ask for the full
                 # context (resync), keeping the stream and the other verifiers' rounds.
                 logger.warning("proposer %s: bad round %d: %s", self.info.method, message.round_id, exc)
-                self._source.release([r.seq_id for r in requests])
-                proposals = [Proposal(r.seq_id, np.zeros(0, np.int32), resync=True) for r in requests]
+                seq_ids = [s.seq_id for s in message.sequences]
+                self._source.release(seq_ids)
+                proposals = [Proposal(seq_id, np.zeros(0, np.int32), resync=True) for seq_id in seq_ids]
             drafts = [_draft_message(p) for p in proposals]
             yield proposer_pb2.ProposeResponse(round_id=message.round_id, sequences=drafts)
 

@@ -33,6 +33,13 @@ class ProposalRequest:
     append_token_ids: np.ndarray
     k: int
     temperature: float = 0.0
+    # bfloat16 torch tensor [n, hidden], only for proposers that read the target's hidden
+    # states (EAGLE): the target's final hidden states (the LM head's input) of the n
+    # context positions before the last one, i.e. positions new_len - 1 - n .. new_len - 2
+    # (new_len = base_len + len(append_token_ids)). In steady state n == len(append_token_ids);
+    # with base_len 0 it is new_len - 1. The last token's state is computed by the round
+    # being drafted for, so it arrives with the next round.
+    hidden_states: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +72,27 @@ class ProposalSource(Protocol):
     def release(self, seq_ids: Sequence[str]) -> None:
         """Forget the state of finished or aborted sequences (idempotent)."""
         ...
+
+
+def hidden_states_to_proto(hidden, message) -> None:
+    """Fill a `HiddenStates` message from a [n, hidden] tensor: bfloat16 bytes, little-endian."""
+    import torch
+
+    t = hidden.to(torch.bfloat16).contiguous()
+    message.data = t.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+    message.shape[:] = list(t.shape)
+
+
+def hidden_states_from_proto(message):
+    """The bfloat16 tensor of a `HiddenStates` message, or None when it is empty.
+
+    Raises `ValueError` when the bytes do not match the shape."""
+    import torch
+
+    if not message.shape:
+        return None
+    shape = tuple(message.shape)
+    if len(shape) != 2 or shape[0] * shape[1] * 2 != len(message.data):
+        raise ValueError(f"hidden_states: {len(message.data)} bytes do not hold bfloat16 of shape {list(shape)}")
+    raw = np.frombuffer(message.data, dtype="<i2").reshape(shape)
+    return torch.from_numpy(raw.copy()).view(torch.bfloat16)

@@ -155,6 +155,9 @@ class Engine:
         elif not isinstance(proposers, Mapping):
             proposers = {proposers.method: proposers}
         self.proposers: dict[str, ProposalSource] = dict(proposers)
+        #: Methods whose proposers read the target's hidden states (EAGLE): the engine keeps
+        #: each sequence's final hidden states (bfloat16) and sends the new ones each round.
+        self._hidden_methods = {m for m, src in self.proposers.items() if getattr(src, "needs_hidden_states", False)}
         self.controller = controller or Controller.off()
         if not self.controller.methods:
             self.controller.set_methods(tuple(self.proposers))
@@ -442,12 +445,19 @@ class Engine:
                 work.reason = "length"
                 continue
             synced = seq.synced_len.get(d.method, 0)
+            hidden = None
+            if d.method in self._hidden_methods:
+                # The hidden states of the context positions the proposer lacks, up to the
+                # one before the last token (the last token's comes from this round's pass).
+                assert seq.num_hidden == seq.num_context_tokens - 1, (seq.num_hidden, seq.num_context_tokens)
+                hidden = seq.hidden[max(synced - 1, 0) : seq.num_hidden]
             by_method.setdefault(d.method, []).append((len(works) - 1, ProposalRequest(
                 seq_id=seq.request_id,
                 base_len=synced,
                 append_token_ids=seq.context_slice(synced),
                 k=k,
                 temperature=seq.params.temperature,
+                hidden_states=hidden,
             )))
             seq.synced_len.setdefault(d.method, 0)  # so that _finish releases it there
         if by_method:
@@ -518,10 +528,16 @@ class Engine:
             offset += n
         token_ids = torch.tensor(list(itertools.chain.from_iterable(w.input_token_ids for w in works)),
                                  dtype=torch.int64)
-        logits = self.model.forward(token_ids, [w.seq.slot for w in works], num_tokens, self.cache,
-                                    torch.tensor(index, dtype=torch.int64))  # [R, V] float32
+        hidden = None
+        if self._hidden_methods:  # every input's hidden state; the kept ones are stored below
+            logits, hidden = self.model.forward(token_ids, [w.seq.slot for w in works], num_tokens, self.cache,
+                                                torch.tensor(index, dtype=torch.int64),
+                                                hidden_index=torch.arange(sum(num_tokens)))
+        else:
+            logits = self.model.forward(token_ids, [w.seq.slot for w in works], num_tokens, self.cache,
+                                        torch.tensor(index, dtype=torch.int64))  # [R, V] float32
         argmax = logits.argmax(dim=-1).tolist()
-        row = 0
+        row = first = 0
         for w in works:
             k = w.draft_token_ids.size
             p = w.seq.params
@@ -535,6 +551,10 @@ class Engine:
             # Keep the KV of the inputs that were right: the last token and the accepted drafts.
             slot = w.seq.slot
             self.cache.rollback(slot, self.cache.lens[slot] - (k - w.num_accepted))
+            if hidden is not None:  # likewise their hidden states (a prefill keeps the prompt's)
+                n = len(w.input_token_ids)
+                w.seq.add_hidden(hidden[first : first + n - (k - w.num_accepted)])
+                first += n
             row += k + 1
         return time.perf_counter() - start
 

@@ -17,7 +17,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from protos.proposal import Proposal, ProposalRequest
+from protos.proposal import Proposal, ProposalRequest, hidden_states_to_proto
 from protos.splitspec.v1 import proposer_pb2, proposer_pb2_grpc
 from verifier.errors import SplitspecError
 
@@ -29,11 +29,14 @@ class ProposerUnavailableError(SplitspecError):
 
 
 class GrpcProposalSource:
-    def __init__(self, address: str, method: str = "remote", deadline_s: float = 0.1) -> None:
+    def __init__(self, address: str, method: str = "remote", deadline_s: float = 0.1,
+                 needs_hidden_states: bool = False) -> None:
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
         self.address = address
         self.method = method
+        #: Whether the engine should attach hidden states to this source's requests (EAGLE).
+        self.needs_hidden_states = needs_hidden_states
         self.deadline_s = deadline_s
         self._channel: grpc.aio.Channel | None = None
         self._call = None
@@ -53,13 +56,7 @@ class GrpcProposalSource:
         self._round_id += 1
         message = proposer_pb2.ProposeRequest(
             round_id=self._round_id,
-            sequences=[
-                proposer_pb2.SequenceDelta(
-                    seq_id=r.seq_id, base_len=r.base_len, append_token_ids=np.asarray(r.append_token_ids).tolist(),
-                    k=r.k, temperature=r.temperature,
-                )
-                for r in requests
-            ],
+            sequences=[_delta(r) for r in requests],
             released_seq_ids=self._released,
         )
         released, self._released = self._released, []
@@ -99,6 +96,16 @@ class GrpcProposalSource:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+
+
+def _delta(r: ProposalRequest) -> proposer_pb2.SequenceDelta:
+    delta = proposer_pb2.SequenceDelta(
+        seq_id=r.seq_id, base_len=r.base_len, append_token_ids=np.asarray(r.append_token_ids).tolist(),
+        k=r.k, temperature=r.temperature,
+    )
+    if r.hidden_states is not None:
+        hidden_states_to_proto(r.hidden_states, delta.hidden_states)
+    return delta
 
 
 def _to_proposals(requests: Sequence[ProposalRequest], response: proposer_pb2.ProposeResponse) -> list[Proposal]:

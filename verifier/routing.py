@@ -75,8 +75,11 @@ class RoutedProposalSource:
     """Route each sequence to one proposer replica; see the module docstring."""
 
     def __init__(self, method: str, deadline_s: float = 0.1, cooldown_s: float = 2.0,
-                 info_timeout_s: float = 2.0, target_vocab: VocabFingerprint | None = None) -> None:
+                 info_timeout_s: float = 2.0, target_vocab: VocabFingerprint | None = None,
+                 needs_hidden_states: bool = False) -> None:
         self.method = method
+        #: Whether the engine sends this method the target's hidden states (EAGLE).
+        self.needs_hidden_states = needs_hidden_states
         #: The target's vocabulary: a replica whose `Info` names an incompatible one is refused.
         #: (Not `vocab`: a proposer's `vocab` is its own, which `cluster.local` checks.)
         self.target_vocab = target_vocab
@@ -142,6 +145,8 @@ class RoutedProposalSource:
             return None
         if info.method != self.method:
             return f"it serves method {info.method!r}, this deployment expects {self.method!r}"
+        if info.needs_hidden_states and not self.needs_hidden_states:
+            return "it needs the target's hidden states, which this deployment does not send for its method"
         if self.target_vocab is not None and info.HasField("tokenizer") and info.tokenizer.vocab_size:
             return vocab_incompatibility(self.target_vocab, info.tokenizer)
         return None

@@ -102,6 +102,20 @@ class Sequence:
     stats: SequenceStats = dataclasses.field(default_factory=SequenceStats)
     finish_reason: FinishReason | None = None
     aborted: bool = False
+    #: Final hidden states (bfloat16 [capacity, hidden]) of the first `num_hidden` context
+    #: positions, kept only when a proposer reads them (EAGLE).
+    hidden: torch.Tensor | None = None
+    num_hidden: int = 0
+
+    def add_hidden(self, rows: torch.Tensor) -> None:
+        n = self.num_hidden + rows.shape[0]
+        if self.hidden is None or self.hidden.shape[0] < n:
+            grown = torch.empty(max(2 * n, 256), rows.shape[1], dtype=torch.bfloat16)
+            if self.hidden is not None:
+                grown[: self.num_hidden] = self.hidden[: self.num_hidden]
+            self.hidden = grown
+        self.hidden[self.num_hidden : n] = rows
+        self.num_hidden = n
 
     @property
     def num_context_tokens(self) -> int:

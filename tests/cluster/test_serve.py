@@ -500,3 +500,20 @@ def test_splitspec_serve_starts_answers_and_stops_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_model_proposers_deploy_and_stay_exact(model_proposers_app, tokenizer, greedy, method):
+    """`method: draft` and `method: eagle` deploy like n-gram (own Serve deployment, gRPC);
+    a request pinned to one drafts with it only and gets the plain greedy output."""
+    from cluster.workloads import load_conversations
+
+    conversation = load_conversations("chat")[1]
+    want = greedy([tokenizer.encode(tokenizer.apply_chat_template(conversation))])[0]
+    r = _client(model_proposers_app).chat.completions.create(
+        model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"speculation": {"mode": "on", "method": method, "max_k": 4}, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want
+    spec = r.model_extra["speculation"]
+    assert spec["rounds_by_method"] == {method: spec["rounds_with_drafts"]}
+    assert spec["rounds_with_drafts"] > 0 and spec["accepted"] > 0

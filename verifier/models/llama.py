@@ -26,7 +26,7 @@ from verifier.models.config import ModelConfig, rope_attention_scaling, rope_inv
 
 @dataclasses.dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor | None  # [hidden]; None: no norm (an EAGLE head's first layer)
     wqkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
     bqkv: torch.Tensor | None  # [(H + 2 Hkv) * D] (Qwen2) or None
     wo: torch.Tensor  # [hidden, H * D]
@@ -160,13 +160,22 @@ class LlamaModel:
         num_tokens: list[int],
         cache: KVCache,
         logits_index: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        hidden_index: torch.Tensor | None = None,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one pass and append the new tokens' K/V to each sequence's slot.
 
         token_ids: int32/int64 [T], T = sum(num_tokens); sequence i owns the next
         num_tokens[i] entries and its tokens take positions cache.lens[slot_i] onwards.
         logits_index: int64 [R] flat indices of the tokens whose next-token logits are
         wanted (default: all T). Returns float32 logits [R, vocab].
+        hidden_index: int64 [Q] flat indices whose final hidden states (after the final
+        norm: the LM head's input, the feature EAGLE heads read) are wanted too; then the
+        result is (logits, hidden [Q, hidden_size] in the model's dtype).
+        input_embeds: [T, hidden] used instead of the token embeddings (an EAGLE head feeds
+        its fused token-and-feature rows; `token_ids` then only gives T).
+        A layer whose `input_norm` is None and a model whose `final_norm` is None skip that
+        norm (EAGLE-1 heads have neither).
         Example: two sequences verifying k = 2 and k = 0 → num_tokens [3, 1], T = 4.
         """
         c = self.config
@@ -192,10 +201,14 @@ class LlamaModel:
 
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1)
-        h = F.embedding(_pad_rows(token_ids.long()), self.embed)  # [T_pad, hidden]; padding rows are dead
+        if input_embeds is None:
+            h = F.embedding(_pad_rows(token_ids.long()), self.embed)  # [T_pad, hidden]; padding rows are dead
+        else:
+            pad = _pad_rows(torch.zeros(T, dtype=torch.int64)).shape[0] - T
+            h = input_embeds if pad == 0 else torch.cat([input_embeds, input_embeds.new_zeros(pad, input_embeds.shape[1])])
         for li, layer in enumerate(self.layers):
-            h = h + self._attention(li, layer, rms_norm(h, layer.input_norm, c.rms_norm_eps), spans,
-                                    positions, token_slots, cos, sin, cache)
+            x = h if layer.input_norm is None else rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            h = h + self._attention(li, layer, x, spans, positions, token_slots, cos, sin, cache)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, layer.w_down)
@@ -204,8 +217,12 @@ class LlamaModel:
         if logits_index is None:
             logits_index = torch.arange(T)
         # No padding here: the LM head (49,152 x 576) is fastest unpadded at 2-9 rows.
-        h = rms_norm(h.index_select(0, logits_index), self.final_norm, c.rms_norm_eps)
-        return linear(h, self.lm_head).float()
+        def final(rows: torch.Tensor) -> torch.Tensor:
+            x = h.index_select(0, rows)
+            return x if self.final_norm is None else rms_norm(x, self.final_norm, c.rms_norm_eps)
+
+        logits = linear(final(logits_index), self.lm_head).float()
+        return logits if hidden_index is None else (logits, final(hidden_index))
 
     def _attention(
         self,

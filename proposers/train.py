@@ -1,0 +1,574 @@
+"""`splitspec train draft`: distil a small draft model from the target, on CPU.
+
+The recipe (every step is deterministic for a given seed, corpus and thread count):
+
+1. **Corpus** (cached in `OUT/corpus.pt`, so a resumed run does not rebuild it):
+   - the target's own greedy answers to the prompt set kept in the repo
+     (`proposers/data/train_prompts.jsonl`), plus prompts built from the local Python
+     standard library: "summarise this docstring" and "add a docstring to this function"
+     (self-distillation, as EAGLE and Medusa do: the draft learns what *this* target says);
+   - chunks of standard-library source, labelled with the target's argmax at each
+     position (teacher forcing), so the draft also learns the target on code.
+   A few answers are held out to measure top-1 agreement with the target.
+2. **Vocabulary subset**: the `vocab_subset` ids the target emits most often in that corpus
+   (plus its EOS ids), as in FR-Spec / EAGLE-3. The draft's LM head has one row per subset
+   id, so a draft step costs a fraction of a full 49,152-row head; its argmax column c is
+   the target id `vocab_ids[c]`, exactly. A target token outside the subset is simply never
+   drafted (the verifier then emits it as the bonus token).
+3. **Model**: `len(init_layers)` Llama decoder layers initialised from those layers of the
+   target, then the target's final norm; the input embeddings and the LM head rows are the
+   target's own and stay frozen, so the saved asset holds only the layers and the norm
+   (loaded with the target's embeddings by `load_trained_draft`).
+4. **Training**: cross-entropy against the target's next token (its greedy choice), AdamW
+   with warm-up and cosine decay, gradient clipping; a checkpoint every
+   `checkpoint_every` steps (`--resume` continues from it).
+5. **Output** (`OUT/`): `model.safetensors` (bfloat16 layers and norm, int32 `vocab_ids`),
+   `config.json` (HF Llama config plus a `splitspec` block: base model, vocabulary
+   fingerprint sha256, weights sha256) and `train_info.json` (the command, the recipe,
+   corpus sizes, held-out agreement, timings).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import pathlib
+import sys
+import sysconfig
+import time
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verifier.models.llama import LlamaModel
+from verifier.models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PROMPTS_PATH = pathlib.Path(__file__).parent / "data" / "train_prompts.jsonl"
+#: Where `splitspec train draft` writes by default, and where the draft proposer looks for
+#: the draft trained for the bundled model.
+BUNDLED_DRAFT_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-draft"
+BUNDLED_EAGLE_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-eagle"
+CONFIG_FILE, WEIGHTS_FILE, INFO_FILE = "config.json", "model.safetensors", "train_info.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainDraftConfig:
+    #: Target layers copied as the draft's initial layers (their number is the draft's depth).
+    init_layers: tuple[int, ...] = (0, 1, 29)
+    #: Rows of the draft's LM head: the most frequent target tokens of the corpus.
+    vocab_subset: int = 8192
+    #: Prompts from the repo's prompt set (all when 0), and prompts built from the stdlib.
+    num_prompts: int = 480
+    num_docstring_prompts: int = 64
+    num_function_prompts: int = 64
+    #: Longest answer the target writes per prompt.
+    max_answer_tokens: int = 128
+    #: Tokens of standard-library source labelled by the target.
+    source_tokens: int = 30_000
+    source_chunk: int = 256
+    #: Held-out answers for the agreement figure.
+    eval_sequences: int = 40
+    steps: int = 280
+    tokens_per_step: int = 6144
+    lr: float = 5e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 20
+    eval_every: int = 40
+    generate_batch: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.init_layers:
+            raise ValueError("init_layers must name at least one target layer")
+        for name in ("vocab_subset", "steps", "tokens_per_step", "generate_batch", "max_answer_tokens",
+                     "source_chunk", "checkpoint_every", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+# ---------------------------------------------------------------------------- corpus
+def stdlib_files() -> list[pathlib.Path]:
+    """The standard library's own .py files (no site-packages, no tests), sorted."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__")
+    return sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+
+
+def stdlib_prompts(num_docstrings: int, num_functions: int, rng: np.random.Generator) -> list[str]:
+    """"Summarise this docstring" and "add a docstring to this function" prompts drawn
+    from the standard library (docstrings of 300-1500 characters; undocumented functions
+    of 4-25 lines)."""
+    docs: list[str] = []
+    funcs: list[str] = []
+    for path in stdlib_files():
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and 300 <= len(doc) <= 1500:
+                    docs.append(doc)
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) is None:
+                n = node.end_lineno - node.lineno + 1
+                if 4 <= n <= 25:
+                    funcs.append(_dedent("\n".join(lines[node.lineno - 1 : node.end_lineno])))
+    pick = lambda xs, n: [xs[i] for i in sorted(rng.permutation(len(xs))[: min(n, len(xs))])]
+    out = [f"Summarize the following text in two sentences.\n\n{d}" for d in pick(docs, num_docstrings)]
+    out += [f"Add a docstring to this function. Reply with the full code only.\n\n```\n{f}\n```"
+            for f in pick(funcs, num_functions)]
+    return out
+
+
+def _dedent(code: str) -> str:
+    import textwrap
+
+    return textwrap.dedent(code)
+
+
+def load_prompt_set(path: pathlib.Path = PROMPTS_PATH) -> list[list[dict]]:
+    return [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+
+
+@torch.inference_mode()
+def greedy_answers(model: LlamaModel, prompts: list[list[int]], eos_ids: set[int], max_tokens: int,
+                   batch: int, progress=None) -> list[list[int]]:
+    """The target's greedy continuation of each prompt (up to and including an EOS id),
+    `batch` prompts at a time through the ragged forward pass."""
+    answers: list[list[int]] = [[] for _ in prompts]
+    max_len = max(len(p) for p in prompts) + max_tokens + 1
+    cache = model.new_cache(batch, max_len)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths together
+    for start in range(0, len(order), batch):
+        group = order[start : start + batch]
+        slots = [cache.allocate() for _ in group]
+        lens = [len(prompts[i]) for i in group]
+        flat = torch.tensor([t for i in group for t in prompts[i]], dtype=torch.int64)
+        logits = model.forward(flat, slots, lens, cache, torch.tensor(np.cumsum(lens) - 1))
+        alive = list(range(len(group)))
+        nxt = logits.argmax(-1).tolist()
+        while alive:
+            still = []
+            for a, token in zip(alive, nxt):
+                answers[group[a]].append(token)
+                if token not in eos_ids and len(answers[group[a]]) < max_tokens:
+                    still.append(a)
+            alive = still
+            if not alive:
+                break
+            feed = torch.tensor([answers[group[a]][-1] for a in alive], dtype=torch.int64)
+            nxt = model.forward(feed, [slots[a] for a in alive], [1] * len(alive), cache).argmax(-1).tolist()
+        for s in slots:
+            cache.free(s)
+        if progress is not None:
+            progress(len(group))
+    return answers
+
+
+@torch.inference_mode()
+def teacher_labels(model: LlamaModel, chunks: list[list[int]], progress=None) -> list[list[int]]:
+    """The target's argmax after each position of each chunk (teacher forcing)."""
+    cache = model.new_cache(1, max(len(c) for c in chunks))
+    out = []
+    for chunk in chunks:
+        slot = cache.allocate()
+        logits = model.forward(torch.tensor(chunk, dtype=torch.int64), [slot], [len(chunk)], cache)
+        out.append(logits.argmax(-1).tolist())
+        cache.free(slot)
+        if progress is not None:
+            progress(1)
+    return out
+
+
+def source_chunks(tokenizer: Tokenizer, num_tokens: int, chunk: int, rng: np.random.Generator) -> list[list[int]]:
+    files = stdlib_files()
+    chunks: list[list[int]] = []
+    total = 0
+    for i in rng.permutation(len(files)):
+        try:
+            ids = tokenizer.encode(files[i].read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            continue
+        for s in range(0, len(ids) - chunk // 2, chunk):
+            chunks.append(ids[s : s + chunk])
+            total += len(chunks[-1])
+            if total >= num_tokens:
+                return chunks
+    return chunks
+
+
+@dataclasses.dataclass
+class Corpus:
+    #: Training sequences: token ids, and per position the target's next token (-1: no loss).
+    train: list[tuple[list[int], list[int]]]
+    held_out: list[tuple[list[int], list[int]]]
+    stats: dict
+
+
+def build_corpus(model: LlamaModel, tokenizer: Tokenizer, cfg: TrainDraftConfig, log=print) -> Corpus:
+    rng = np.random.default_rng(cfg.seed)
+    convs = load_prompt_set()
+    if cfg.num_prompts:
+        convs = convs[: cfg.num_prompts]
+    texts = [c[0]["content"] for c in convs] + stdlib_prompts(cfg.num_docstring_prompts, cfg.num_function_prompts, rng)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    t0 = time.perf_counter()
+    bar = _Progress(len(prompts), "target answers", log)
+    answers = greedy_answers(model, prompts, set(tokenizer.eos_token_ids), cfg.max_answer_tokens,
+                             cfg.generate_batch, bar.update)
+    bar.close()
+    t_answers = time.perf_counter() - t0
+    seqs = []
+    for p, a in zip(prompts, answers):
+        # Position len(p) - 1 + j predicts answer token j (the target's greedy choice).
+        labels = [-1] * (len(p) - 1) + a
+        seqs.append((p + a[:-1], labels))
+    order = rng.permutation(len(seqs))
+    held = [seqs[i] for i in order[: cfg.eval_sequences]]
+    train = [seqs[i] for i in order[cfg.eval_sequences :]]
+    t0 = time.perf_counter()
+    chunks = source_chunks(tokenizer, cfg.source_tokens, cfg.source_chunk, rng) if cfg.source_tokens else []
+    if chunks:
+        bar = _Progress(len(chunks), "source labels", log)
+        train += list(zip(chunks, teacher_labels(model, chunks, bar.update)))
+        bar.close()
+    stats = {
+        "prompts": len(prompts),
+        "answer_tokens": sum(len(a) for a in answers),
+        "answers_s": round(t_answers, 1),
+        "source_tokens": sum(len(c) for c in chunks),
+        "source_s": round(time.perf_counter() - t0, 1),
+        "train_sequences": len(train),
+        "held_out_sequences": len(held),
+    }
+    return Corpus(train, held, stats)
+
+
+def frequent_ids(corpus: Corpus, size: int, vocab_size: int, always: set[int]) -> np.ndarray:
+    """The `size` target ids most often labelled in the training corpus (ties: lower id
+    first), always including `always` (EOS ids), sorted by id."""
+    counts = np.zeros(vocab_size, np.int64)
+    for _, labels in corpus.train:
+        lab = np.asarray(labels)
+        np.add.at(counts, lab[lab >= 0], 1)
+    for i in always:
+        counts[i] = np.iinfo(np.int64).max
+    size = min(size, vocab_size)
+    ranked = np.lexsort((np.arange(vocab_size), -counts))[:size]
+    return np.sort(ranked).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------- model
+class _Layer(nn.Module):
+    def __init__(self, w) -> None:
+        super().__init__()
+        self.input_norm = nn.Parameter(w.input_norm.float().clone())
+        self.wqkv = nn.Parameter(w.wqkv.float().clone())
+        self.bqkv = None if w.bqkv is None else nn.Parameter(w.bqkv.float().clone())
+        self.wo = nn.Parameter(w.wo.float().clone())
+        self.post_norm = nn.Parameter(w.post_norm.float().clone())
+        self.w_gate_up = nn.Parameter(w.w_gate_up.float().clone())
+        self.w_down = nn.Parameter(w.w_down.float().clone())
+
+
+class DraftNet(nn.Module):
+    """The draft for training: a plain causal decoder over padded [B, L] batches, with the
+    same weight layout as `verifier.models.llama.LayerWeights`."""
+
+    def __init__(self, target: LlamaModel, init_layers: tuple[int, ...], vocab_ids: np.ndarray) -> None:
+        super().__init__()
+        c = target.config
+        self.config = c
+        self.layers = nn.ModuleList(_Layer(target.layers[i]) for i in init_layers)
+        self.norm = nn.Parameter(target.final_norm.float().clone())
+        self.register_buffer("embed", target.embed.float(), persistent=False)
+        self.register_buffer("head", target.lm_head.float()[torch.from_numpy(vocab_ids).long()].contiguous(),
+                             persistent=False)
+        self.register_buffer("cos", target._cos.float(), persistent=False)
+        self.register_buffer("sin", target._sin.float(), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids int64 [B, L] -> hidden states after the final norm [B, L, hidden]."""
+        c = self.config
+        B, L = ids.shape
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        cos, sin = self.cos[:L].view(1, L, 1, D), self.sin[:L].view(1, L, 1, D)
+        h = F.embedding(ids, self.embed)
+        for layer in self.layers:
+            x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, layer.wqkv, layer.bqkv)
+            qk = qkv[..., : (H + Hkv) * D].view(B, L, H + Hkv, D)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+            v = qkv[..., (H + Hkv) * D :].view(B, L, Hkv, D).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            h = h + F.linear(o.transpose(1, 2).reshape(B, L, H * D), layer.wo)
+            x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+        return F.rms_norm(h, (c.hidden_size,), self.norm, c.rms_norm_eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _batches(seqs: list[tuple[list[int], list[int]]], remap: np.ndarray, tokens_per_step: int,
+             rng: np.random.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless padded batches of about `tokens_per_step` tokens, sequences of similar
+    length together, the order reshuffled every epoch. Labels are draft columns (-100: none)."""
+    while True:
+        order = rng.permutation(len(seqs))
+        # Sort within windows of 64 by length, so a batch pads little but epochs still differ.
+        windows = [sorted(order[i : i + 64], key=lambda j: len(seqs[j][0])) for i in range(0, len(order), 64)]
+        groups: list[list[int]] = []
+        for w in windows:
+            cur: list[int] = []
+            for j in w:
+                longest = max([len(seqs[x][0]) for x in cur] + [len(seqs[j][0])])
+                if cur and longest * (len(cur) + 1) > tokens_per_step:
+                    groups.append(cur)
+                    cur = []
+                cur.append(j)
+            if cur:
+                groups.append(cur)
+        for g in (groups[i] for i in rng.permutation(len(groups))):
+            yield _pad(seqs, g, remap)
+
+
+def _pad(seqs, group, remap) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(seqs[j][0]) for j in group)
+    ids = np.zeros((len(group), L), np.int64)
+    labels = np.full((len(group), L), -100, np.int64)
+    for r, j in enumerate(group):
+        x, y = seqs[j]
+        ids[r, : len(x)] = x
+        y = np.asarray(y)
+        mapped = np.where(y >= 0, remap[np.maximum(y, 0)], -100)
+        labels[r, : len(y)] = mapped
+    return torch.from_numpy(ids), torch.from_numpy(labels)
+
+
+@torch.no_grad()
+def agreement(net: DraftNet, seqs, remap: np.ndarray) -> float:
+    """Fraction of labelled positions where the draft's argmax is the target's token."""
+    hit = total = 0
+    for j in range(len(seqs)):
+        ids, labels = _pad(seqs, [j], remap)
+        pred = (net(ids) @ net.head.t()).argmax(-1)
+        # Positions whose label is outside the subset count as misses.
+        y = np.asarray(seqs[j][1])
+        mask = torch.from_numpy(y >= 0)
+        hit += int(((pred[0] == labels[0]) & mask).sum())
+        total += int(mask.sum())
+    return hit / max(total, 1)
+
+
+def _lr(cfg: TrainDraftConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+class _Progress:
+    """A one-line progress bar on stderr (a plain line per 10% when not a terminal)."""
+
+    def __init__(self, total: int, what: str, log=print) -> None:
+        self.total, self.what, self.done, self.start = total, what, 0, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self._last_decile = -1
+
+    def update(self, n: int = 1, extra: str = "") -> None:
+        self.done += n
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
+        line = f"{self.what}: {self.done}/{self.total} [{elapsed:.0f}s elapsed, {eta:.0f}s left] {extra}"
+        decile = self.done * 10 // max(self.total, 1)
+        if self.tty:
+            sys.stderr.write("\r" + line)
+            sys.stderr.flush()
+        elif decile != self._last_decile:
+            self._last_decile = decile
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+# ---------------------------------------------------------------------------- recipe
+def train_draft(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib.Path, cfg: TrainDraftConfig,
+                base: str, command: str, resume: bool = False, log=print) -> dict:
+    """Run the recipe (module docstring); returns the `train_info.json` dict."""
+    from verifier.models.vocab import VocabFingerprint
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    started = time.perf_counter()
+    corpus_path = out / "corpus.pt"
+    if resume and corpus_path.is_file():
+        saved = torch.load(corpus_path, weights_only=False)
+        corpus = Corpus(saved["train"], saved["held_out"], saved["stats"])
+        log(f"corpus: reused {corpus_path.name} ({corpus.stats})")
+    else:
+        corpus = build_corpus(target, tokenizer, cfg, log)
+        torch.save(dataclasses.asdict(corpus), corpus_path)
+        log(f"corpus: {corpus.stats}")
+    vocab_ids = frequent_ids(corpus, cfg.vocab_subset, target.config.vocab_size, set(tokenizer.eos_token_ids))
+    remap = np.full(target.config.vocab_size, -100, np.int64)
+    remap[vocab_ids] = np.arange(vocab_ids.size)
+    labels = np.concatenate([np.asarray(y) for _, y in corpus.train])
+    labels = labels[labels >= 0]
+    coverage = float((remap[labels] >= 0).mean())
+    log(f"vocabulary subset: {vocab_ids.size} ids cover {coverage:.4f} of the training labels")
+
+    net = DraftNet(target, cfg.init_layers, vocab_ids)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    step = 0
+    rng = np.random.default_rng(cfg.seed + 1)
+    ckpt_path = out / "checkpoint.pt"
+    history: list[dict] = []
+    if resume and ckpt_path.is_file():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        net.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optim"])
+        step, history = ckpt["step"], ckpt["history"]
+        rng = np.random.default_rng(cfg.seed + 1 + step)  # a fresh, still deterministic, order
+        log(f"resumed at step {step}")
+    initial = agreement(net, corpus.held_out, remap) if step == 0 else None
+    if initial is not None:
+        history.append({"step": 0, "held_out_agreement": round(initial, 4)})
+        log(f"step 0: held-out agreement {initial:.4f}")
+    batches = _batches(corpus.train, remap, cfg.tokens_per_step, rng)
+    bar = _Progress(cfg.steps, "training", log)
+    bar.done = step
+    t_train = time.perf_counter()
+    loss_ewma = None
+    while step < cfg.steps:
+        ids, y = next(batches)
+        for g in opt.param_groups:
+            g["lr"] = _lr(cfg, step)
+        hidden = net(ids)
+        mask = y != -100
+        logits = hidden[mask] @ net.head.t()
+        loss = F.cross_entropy(logits, y[mask])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        value = loss.item()
+        loss_ewma = value if loss_ewma is None else 0.95 * loss_ewma + 0.05 * value
+        bar.update(1, f"loss {loss_ewma:.3f}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            acc = agreement(net, corpus.held_out, remap)
+            history.append({"step": step, "loss": round(loss_ewma, 4), "held_out_agreement": round(acc, 4)})
+            log(f"{chr(10) if bar.tty else ''}step {step}: loss {loss_ewma:.3f}, held-out agreement {acc:.4f}")
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            torch.save({"model": net.state_dict(), "optim": opt.state_dict(), "step": step, "history": history},
+                       ckpt_path)
+    bar.close()
+    train_s = time.perf_counter() - t_train
+
+    # Saved in bfloat16: the figure reported is the one of the weights as saved.
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    final = agreement(net, corpus.held_out, remap)
+    weights_sha = save_draft(net, vocab_ids, out)
+    fingerprint = VocabFingerprint.of(tokenizer)
+    c = target.config
+    config = {
+        "model_type": c.architecture,
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": len(cfg.init_layers),
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position,
+        "tie_word_embeddings": True,
+        "attention_bias": c.attention_bias,
+        "torch_dtype": "bfloat16",
+        "splitspec": {
+            "kind": "draft",
+            "embeddings": "target",
+            "base_model": base,
+            "vocab_subset": int(vocab_ids.size),
+            "tokenizer_fingerprint": {
+                "vocab_type": fingerprint.vocab_type, "vocab_size": fingerprint.vocab_size,
+                "bos_token_id": fingerprint.bos_token_id, "eos_token_ids": list(fingerprint.eos_token_ids),
+                "token_texts_sha256": fingerprint.token_texts_sha256,
+            },
+            "weights_sha256": weights_sha,
+        },
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    info = {
+        "command": command,
+        "recipe": dataclasses.asdict(cfg),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "corpus": corpus.stats,
+        "vocab_subset_coverage": round(coverage, 4),
+        "history": history,
+        "held_out_agreement": round(final, 4),
+        "train_s": round(train_s, 1),
+        "total_s": round(time.perf_counter() - started, 1),
+    }
+    (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    log(f"saved {out / WEIGHTS_FILE} ({(out / WEIGHTS_FILE).stat().st_size / 1e6:.1f} MB), "
+        f"held-out agreement {final:.4f}")
+    return info
+
+
+def save_draft(net: DraftNet, vocab_ids: np.ndarray, out: pathlib.Path) -> str:
+    """Write the layers (HF names, bfloat16), the final norm and `vocab_ids`; returns the
+    file's sha256."""
+    from safetensors.torch import save_file
+
+    c = net.config
+    H, Hkv, D, I = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    tensors = {"model.norm.weight": net.norm.detach(), "splitspec.vocab_ids": torch.from_numpy(vocab_ids)}
+    for i, layer in enumerate(net.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.wqkv.detach().split([H * D, Hkv * D, Hkv * D])
+        gate, up = layer.w_gate_up.detach().split([I, I])
+        tensors.update({
+            p + "input_layernorm.weight": layer.input_norm.detach(),
+            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": layer.wo.detach(),
+            p + "post_attention_layernorm.weight": layer.post_norm.detach(),
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": layer.w_down.detach(),
+        })
+        if layer.bqkv is not None:
+            bq, bk, bv = layer.bqkv.detach().split([H * D, Hkv * D, Hkv * D])
+            tensors.update({p + "self_attn.q_proj.bias": bq, p + "self_attn.k_proj.bias": bk,
+                            p + "self_attn.v_proj.bias": bv})
+    tensors = {k: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()}
+    path = out / WEIGHTS_FILE
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,0 +1,224 @@
+"""The EAGLE proposer (proposers/eagle.py), its recipe (proposers/train_eagle.py) and the
+hidden states the verifier sends it, on the real bundled model.
+
+References: HF transformers for the target's final hidden states; for the head, the
+training network (plain causal attention over the whole sequence, recomputed from scratch
+for every draft) run on the saved weights, against the proposer's KV-cached rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.workloads import load_prompts
+from protos.proposal import ProposalRequest
+from proposers.draft_model import DraftModelConfig
+from proposers.eagle import EagleProposer, load_eagle
+from proposers.train import BUNDLED_EAGLE_DIR, WEIGHTS_FILE
+from proposers.train_eagle import EagleNet, TrainEagleConfig, train_eagle
+from tests.proposers.conftest import TINY
+from verifier.controller import Controller
+from verifier.engine import Engine, EngineConfig
+from verifier.errors import ModelLoadError
+from verifier.models.vocab import VocabFingerprint
+from verifier.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return VocabFingerprint.of(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle(tiny_draft, model, tokenizer, tmp_path_factory):
+    corpus = tiny_draft[0] / "corpus.pt"
+    cfg = TrainEagleConfig(**{**dataclasses.asdict(TINY), "init_layers": (29,), "corpus": str(corpus), "steps": 4})
+    out = tmp_path_factory.mktemp("eagle")
+    info = train_eagle(model, tokenizer, out, cfg, base="bundled", command="splitspec train eagle (test)",
+                       log=lambda *a: None)
+    return out, info
+
+
+def _features(model, ids: list[int]) -> torch.Tensor:
+    """The target's final hidden states of every position (bfloat16, as the verifier sends them)."""
+    cache = model.new_cache(1, len(ids))
+    _, hidden = model.forward(torch.tensor(ids), [cache.allocate()], [len(ids)], cache,
+                              torch.tensor([len(ids) - 1]), hidden_index=torch.arange(len(ids)))
+    return hidden.to(torch.bfloat16)
+
+
+def test_forward_returns_the_final_hidden_states_hf_computes(model, hf_model, tokenizer):
+    ids = load_prompts("chat", tokenizer)[0]
+    cache = model.new_cache(1, len(ids))
+    logits, hidden = model.forward(torch.tensor(ids), [cache.allocate()], [len(ids)], cache,
+                                   hidden_index=torch.arange(len(ids)))
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), output_hidden_states=True)
+    torch.testing.assert_close(hidden, out.hidden_states[-1][0], atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(logits, out.logits[0], atol=2e-3, rtol=1e-3)
+
+
+def _reference_net(model, head_dir) -> tuple[EagleNet, np.ndarray]:
+    from safetensors.torch import load_file
+
+    saved = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(head_dir / WEIGHTS_FILE)).items()}
+    vocab_ids = saved["splitspec.vocab_ids"].numpy()
+    net = EagleNet(model, 29, vocab_ids.astype(np.int32))
+    layer = net.layer
+    with torch.no_grad():
+        net.fc_weight.copy_(saved["fc.weight"])
+        net.fc_bias.copy_(saved["fc.bias"])
+        layer.wqkv.copy_(torch.cat([saved[f"layers.0.self_attn.{x}_proj.weight"] for x in "qkv"]))
+        layer.wo.copy_(saved["layers.0.self_attn.o_proj.weight"])
+        layer.post_norm.copy_(saved["layers.0.post_attention_layernorm.weight"])
+        layer.w_gate_up.copy_(torch.cat([saved["layers.0.mlp.gate_proj.weight"], saved["layers.0.mlp.up_proj.weight"]]))
+        layer.w_down.copy_(saved["layers.0.mlp.down_proj.weight"])
+    return net.eval(), vocab_ids.astype(np.int64)
+
+
+@torch.no_grad()
+def _reference_drafts(net, vocab_ids, context: list[int], features: torch.Tensor, k: int) -> list[int]:
+    """k greedy drafts, recomputing the head over the whole sequence for each: row t reads
+    (x_{t+1}, f_t); rows past the target's features read the head's own outputs."""
+    ids, feats, drafts = list(context), [f for f in features.float()], []
+    for _ in range(k):
+        out = net(torch.tensor([ids[1:]]), torch.stack(feats)[None])[0, -1]
+        token = int(vocab_ids[int((out @ net.head.t()).argmax())])
+        drafts.append(token)
+        ids.append(token)
+        feats.append(out)
+    return drafts
+
+
+@pytest.mark.slow
+def test_rounds_with_features_draft_what_a_full_recompute_drafts(tiny_eagle, model, tokenizer, vocab):
+    """Round 1 sends a whole context and its features; round 2 appends two of the round-1
+    drafts (as if accepted) plus one other token, with only the new positions' features.
+    The proposer must keep its KV of real-feature positions, drop the rest, and draft as
+    the from-scratch reference does."""
+    net, vocab_ids = _reference_net(model, tiny_eagle[0])
+    proposer = EagleProposer(load_eagle(tiny_eagle[0], model, vocab), vocab,
+                             DraftModelConfig(max_num_seqs=2, max_k=4))
+    for i, context in enumerate(load_prompts("chat", tokenizer)[:2]):
+        seq = f"s{i}"
+        f1 = _features(model, context)
+        (p1,) = proposer.propose_sync([ProposalRequest(seq, 0, np.asarray(context, np.int32), 4, 0.0, f1[:-1])])
+        assert p1.draft_token_ids.tolist() == _reference_drafts(net, vocab_ids, context, f1[:-1], 4)
+        append = p1.draft_token_ids[:2].tolist() + [int(tokenizer.encode(" yes")[0])]
+        longer = context + append
+        f2 = _features(model, longer)
+        n = len(append)  # positions len(context) - 1 .. len(longer) - 2
+        (p2,) = proposer.propose_sync([ProposalRequest(seq, len(context), np.asarray(append, np.int32), 4, 0.0,
+                                                       f2[len(context) - 1 : len(longer) - 1])])
+        assert f2[len(context) - 1 : len(longer) - 1].shape[0] == n
+        assert p2.draft_token_ids.tolist() == _reference_drafts(net, vocab_ids, longer, f2[:-1], 4)
+        # A delta that leaves a gap in the features is answered with resync.
+        (p3,) = proposer.propose_sync([ProposalRequest(seq, len(longer), np.asarray([5, 6], np.int32), 2, 0.0,
+                                                       f2[-1:])])
+        assert p3.resync
+
+
+@pytest.mark.slow
+def test_recipe_output_and_refusals(tiny_eagle, model, vocab, tmp_path):
+    import hashlib
+    import json
+    import shutil
+
+    out, info = tiny_eagle
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["splitspec"]["kind"] == "eagle"
+    assert config["splitspec"]["weights_sha256"] == hashlib.sha256((out / WEIGHTS_FILE).read_bytes()).hexdigest()
+    assert [h["step"] for h in info["history"]] == [0, 2, 4]
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad, ignore=shutil.ignore_patterns("*.pt"))
+    data = bytearray((bad / WEIGHTS_FILE).read_bytes())
+    data[-1] ^= 1
+    (bad / WEIGHTS_FILE).write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="does not match config.json's weights_sha256"):
+        load_eagle(bad, model, vocab)
+
+
+@pytest.mark.slow
+def test_published_eagle_layout_loads(tiny_eagle, model, vocab, tmp_path):
+    """The EAGLE-1 checkpoint layout as published (a `model.` prefix, an input norm on layer
+    0 that EAGLE-1 ignores, its own copy of the embeddings, the full LM head, no splitspec
+    block): loads, and drafts over the whole vocabulary."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out, _ = tiny_eagle
+    tensors = load_file(str(out / WEIGHTS_FILE))
+    tensors.pop("splitspec.vocab_ids")
+    tensors = {"model." + k: v for k, v in tensors.items()}
+    tensors["model.layers.0.input_layernorm.weight"] = torch.ones(576, dtype=torch.bfloat16)
+    tensors["model.embed_tokens.weight"] = model.embed.to(torch.bfloat16)
+    published = tmp_path / "published"
+    published.mkdir()
+    save_file(tensors, str(published / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config.pop("splitspec")
+    (published / "config.json").write_text(json.dumps(config))
+    head = load_eagle(published, model, vocab)
+    assert head.token_map is None and head.model.lm_head.shape[0] == 49152
+    assert head.model.layers[0].input_norm is None
+
+
+@pytest.mark.slow
+def test_engine_with_eagle_is_exact(tiny_eagle, model, tokenizer, vocab, exactness_prompts):
+    prompts = exactness_prompts[1::4]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    off = Engine(model, tokenizer, EngineConfig(max_num_seqs=5, max_model_len=1024), None, Controller.off())
+    want = [r.token_ids for r in off.generate_sync(prompts, params)]
+    eagle = EagleProposer(load_eagle(tiny_eagle[0], model, vocab), vocab, DraftModelConfig(max_num_seqs=5))
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=5, max_model_len=1024), {"eagle": eagle},
+                    Controller.static(4, ("eagle",)))
+    results = engine.generate_sync(prompts, params)
+    assert [r.token_ids for r in results] == want
+    assert sum(r.stats.drafted for r in results) > 0 and engine.stats.num_resyncs == 0
+
+
+def _engine_run(model, tokenizer, source, prompts, params):
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=1024), {"eagle": source},
+                    Controller.static(4, ("eagle",)))
+    return engine, engine.generate_all(prompts, params)
+
+
+@pytest.mark.slow
+def test_served_eagle_receives_hidden_states_and_accepts_as_in_process(model, tokenizer, vocab):
+    """The committed head behind a real gRPC server: `Info` asks for hidden states, the
+    engine sends them, and the drafts, hence tokens and acceptance, equal in-process ones."""
+    from proposers.server import ProposerServicer, start_server
+    from verifier.proposer_client import GrpcProposalSource
+
+    assert (BUNDLED_EAGLE_DIR / "config.json").is_file()
+    prompts = load_prompts("chat", tokenizer)[:3]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    config = DraftModelConfig(max_num_seqs=4)
+    local = EagleProposer(load_eagle(BUNDLED_EAGLE_DIR, model, vocab), vocab, config)
+    _, job = _engine_run(model, tokenizer, local, prompts, params)
+    in_process = asyncio.run(job)
+
+    async def served():
+        remote = EagleProposer(load_eagle(BUNDLED_EAGLE_DIR, model, vocab), vocab, config)
+        server, port = await start_server(ProposerServicer(remote, max_k=config.max_k))
+        client = GrpcProposalSource(f"127.0.0.1:{port}", method="eagle", deadline_s=30.0, needs_hidden_states=True)
+        try:
+            info = await client.info()
+            engine, job = _engine_run(model, tokenizer, client, prompts, params)
+            return info, await job, remote.num_sequences
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    info, results, _ = asyncio.run(served())
+    assert info.needs_hidden_states and info.method == "eagle"
+    assert [r.token_ids for r in results] == [r.token_ids for r in in_process]
+    got = [(r.stats.drafted, r.stats.accepted) for r in results]
+    assert got == [(r.stats.drafted, r.stats.accepted) for r in in_process]
+    assert sum(a for _, a in got) > 0
