@@ -100,17 +100,31 @@ def load_trained_draft(path: str | pathlib.Path, target: LlamaModel, target_voca
     if vocab_ids.min() < 0 or vocab_ids.max() >= tc.vocab_size:
         raise ModelLoadError(f"{weights}: splitspec.vocab_ids outside [0, {tc.vocab_size})")
 
+    layers = hf_layers(tensors, "model.layers.", config.num_layers, dtype, str(weights))
+    norm = tensors.get("model.norm.weight")
+    if norm is None:
+        raise ModelLoadError(f"{weights}: missing tensor 'model.norm.weight'")
+    embed = target.embed.to(dtype)
+    head = target.lm_head.to(dtype)[torch.from_numpy(vocab_ids)].contiguous()
+    model = LlamaModel(config, embed, layers, norm.to(dtype), head, dtype)
+    return model, vocab_ids
+
+
+def hf_layers(tensors: dict[str, torch.Tensor], prefix: str, num_layers: int, dtype: torch.dtype, source: str,
+              first_input_norm: bool = True) -> list[LayerWeights]:
+    """Decoder layers `{prefix}{i}.*` under HF Llama names; `first_input_norm=False` leaves
+    layer 0 without its input norm (EAGLE-1 heads)."""
     def need(name: str) -> torch.Tensor:
         if name not in tensors:
-            raise ModelLoadError(f"{weights}: missing tensor {name!r}")
+            raise ModelLoadError(f"{source}: missing tensor {name!r}")
         return tensors[name].to(dtype)
 
     layers = []
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
+    for i in range(num_layers):
+        p = f"{prefix}{i}."
         bias = [tensors.get(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
         layers.append(LayerWeights(
-            input_norm=need(p + "input_layernorm.weight"),
+            input_norm=need(p + "input_layernorm.weight") if i or first_input_norm else None,
             wqkv=torch.cat([need(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
             bqkv=torch.cat(bias).to(dtype) if all(b is not None for b in bias) else None,
             wo=need(p + "self_attn.o_proj.weight"),
@@ -118,10 +132,7 @@ def load_trained_draft(path: str | pathlib.Path, target: LlamaModel, target_voca
             w_gate_up=torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")]).contiguous(),
             w_down=need(p + "mlp.down_proj.weight"),
         ))
-    embed = target.embed.to(dtype)
-    head = target.lm_head.to(dtype)[torch.from_numpy(vocab_ids)].contiguous()
-    model = LlamaModel(config, embed, layers, need("model.norm.weight"), head, dtype)
-    return model, vocab_ids
+    return layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +222,9 @@ class DraftModelProposer:
             return out
 
     # ------------------------------------------------------------------ state
-    def _update(self, r: ProposalRequest) -> _Seq | None:
-        """Apply the delta; None when the state lacks `base_len` tokens (resync)."""
+    def _lookup(self, r: ProposalRequest) -> tuple[_Seq | None, np.ndarray] | None:
+        """The sequence's state (None: new) and the validated appended ids; None when the
+        state lacks `base_len` tokens (resync; the stale state is dropped)."""
         seq = self._seqs.get(r.seq_id)
         if r.base_len > 0 and (seq is None or seq.ctx_len < r.base_len):
             if seq is not None:
@@ -221,11 +233,26 @@ class DraftModelProposer:
         append = np.asarray(r.append_token_ids, dtype=np.int32)
         if append.size and (append.min() < 0 or append.max() >= self.model.config.vocab_size):
             raise ValueError(f"{r.seq_id}: append_token_ids outside [0, {self.model.config.vocab_size})")
+        if seq is not None:
+            self._seqs.move_to_end(r.seq_id)
+        return seq, append
+
+    def _reserve(self, seq: _Seq, new_len: int) -> None:
+        """Room in `seq.ids` for the context and this round's drafts."""
+        if seq.ids.size < new_len + self.max_k:
+            grown = np.zeros(max(2 * seq.ids.size, new_len + self.max_k), np.int32)
+            grown[: seq.ids.size] = seq.ids
+            seq.ids = grown
+
+    def _update(self, r: ProposalRequest) -> _Seq | None:
+        """Apply the delta; None when the state lacks `base_len` tokens (resync)."""
+        found = self._lookup(r)
+        if found is None:
+            return None
+        seq, append = found
         new_len = r.base_len + append.size
         if seq is None:
             seq = self._new(r.seq_id, new_len)
-        else:
-            self._seqs.move_to_end(r.seq_id)
         if new_len == 0:
             return seq
         kv_len = self.cache.lens[seq.slot]
@@ -233,10 +260,7 @@ class DraftModelProposer:
         # (last round's accepted drafts).
         same = r.base_len
         limit = min(kv_len, new_len)
-        if seq.ids.size < new_len + self.max_k:
-            grown = np.zeros(max(2 * seq.ids.size, new_len + self.max_k), np.int32)
-            grown[: seq.ids.size] = seq.ids
-            seq.ids = grown
+        self._reserve(seq, new_len)
         while same < limit and seq.ids[same] == append[same - r.base_len]:
             same += 1
         seq.ids[r.base_len:new_len] = append
@@ -245,11 +269,14 @@ class DraftModelProposer:
         self.cache.rollback(seq.slot, min(same, kv_len, new_len - 1))
         return seq
 
+    #: The per-sequence state class (the EAGLE proposer adds its features).
+    _state = _Seq
+
     def _new(self, seq_id: str, length: int) -> _Seq:
         if self.cache.num_free_slots == 0:
             oldest = next(iter(self._seqs))
             self._drop(oldest)
-        seq = _Seq(self.cache.allocate(), np.zeros(max(256, 2 * length), np.int32))
+        seq = self._state(self.cache.allocate(), np.zeros(max(256, 2 * length), np.int32))
         self._seqs[seq_id] = seq
         return seq
 

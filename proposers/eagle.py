@@ -36,10 +36,10 @@ import numpy as np
 import torch
 
 from protos.proposal import Proposal, ProposalRequest
-from proposers.draft_model import DraftModelConfig, DraftModelProposer, _Seq
+from proposers.draft_model import DraftModelConfig, DraftModelProposer, _Seq, hf_layers
 from verifier.errors import ModelLoadError
 from verifier.models.config import ModelConfig
-from verifier.models.llama import LayerWeights, LlamaModel, linear
+from verifier.models.llama import LlamaModel, linear
 from verifier.models.vocab import VocabFingerprint
 
 
@@ -109,20 +109,8 @@ def load_eagle(path: str | pathlib.Path, target: LlamaModel, target_vocab: Vocab
     if tuple(fc_weight.shape) != (H, 2 * H):
         raise ModelLoadError(f"{path}: fc.weight has shape {list(fc_weight.shape)}, want [{H}, {2 * H}]")
     fc_bias = tensors["fc.bias"].to(dtype) if "fc.bias" in tensors else None
-    layers = []
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        bias = [tensors.get(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
-        layers.append(LayerWeights(
-            # EAGLE-1 drops layer 0's input norm (the fused input is not a residual stream).
-            input_norm=None if i == 0 else need(p + "input_layernorm.weight"),
-            wqkv=torch.cat([need(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
-            bqkv=torch.cat(bias).to(dtype) if all(b is not None for b in bias) else None,
-            wo=need(p + "self_attn.o_proj.weight"),
-            post_norm=need(p + "post_attention_layernorm.weight"),
-            w_gate_up=torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")]).contiguous(),
-            w_down=need(p + "mlp.down_proj.weight"),
-        ))
+    # EAGLE-1 drops layer 0's input norm (the fused input is not a residual stream).
+    layers = hf_layers(tensors, "layers.", config.num_layers, dtype, str(path), first_input_norm=False)
     token_map = None
     head = tensors["lm_head.weight"].to(dtype) if "lm_head.weight" in tensors else target.lm_head.to(dtype)
     if "splitspec.vocab_ids" in tensors:
@@ -154,23 +142,14 @@ class EagleProposer(DraftModelProposer):
         super().__init__(head.model, vocab, config, method, token_map=head.token_map)
         self.head = head
 
-    def _new(self, seq_id: str, length: int) -> _EagleSeq:
-        if self.cache.num_free_slots == 0:
-            self._drop(next(iter(self._seqs)))
-        seq = _EagleSeq(self.cache.allocate(), np.zeros(max(256, 2 * length), np.int32))
-        self._seqs[seq_id] = seq
-        return seq
+    _state = _EagleSeq
 
     def _update(self, r: ProposalRequest) -> _EagleSeq | None:
         """Apply the delta and place the features; None (resync) when state is missing."""
-        seq = self._seqs.get(r.seq_id)
-        if r.base_len > 0 and (seq is None or seq.ctx_len < r.base_len):
-            if seq is not None:
-                self._drop(r.seq_id)
+        found = self._lookup(r)
+        if found is None:
             return None
-        append = np.asarray(r.append_token_ids, dtype=np.int32)
-        if append.size and (append.min() < 0 or append.max() >= self.model.config.vocab_size):
-            raise ValueError(f"{r.seq_id}: append_token_ids outside [0, {self.model.config.vocab_size})")
+        seq, append = found
         new_len = r.base_len + append.size
         hidden = r.hidden_states
         n = 0 if hidden is None else int(hidden.shape[0])
@@ -182,16 +161,11 @@ class EagleProposer(DraftModelProposer):
             raise ValueError(f"{r.seq_id}: {n} hidden-state rows for a context of {new_len} tokens")
         if seq is None:
             seq = self._new(r.seq_id, new_len)
-        else:
-            self._seqs.move_to_end(r.seq_id)
         kept = min(seq.num_features, max(r.base_len - 1, 0), first)
         if first > kept:  # a gap: positions kept .. first - 1 have no feature
             self._drop(r.seq_id)
             return None
-        if seq.ids.size < new_len + self.max_k:
-            grown = np.zeros(max(2 * seq.ids.size, new_len + self.max_k), np.int32)
-            grown[: seq.ids.size] = seq.ids
-            seq.ids = grown
+        self._reserve(seq, new_len)
         seq.ids[r.base_len:new_len] = append
         seq.ctx_len = new_len
         cap = new_len + self.max_k

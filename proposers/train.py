@@ -328,27 +328,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _batches(seqs: list[tuple[list[int], list[int]]], remap: np.ndarray, tokens_per_step: int,
-             rng: np.random.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless padded batches of about `tokens_per_step` tokens, sequences of similar
-    length together, the order reshuffled every epoch. Labels are draft columns (-100: none)."""
+def length_groups(lengths: list[int], tokens_per_step: int, rng: np.random.Generator) -> Iterator[list[int]]:
+    """Endless groups of sequence indices of about `tokens_per_step` padded tokens each:
+    sequences of similar length together (sorted within windows of 64, so a batch pads
+    little but epochs still differ), the order reshuffled every epoch."""
     while True:
-        order = rng.permutation(len(seqs))
-        # Sort within windows of 64 by length, so a batch pads little but epochs still differ.
-        windows = [sorted(order[i : i + 64], key=lambda j: len(seqs[j][0])) for i in range(0, len(order), 64)]
+        order = rng.permutation(len(lengths))
         groups: list[list[int]] = []
-        for w in windows:
+        for i in range(0, len(order), 64):
             cur: list[int] = []
-            for j in w:
-                longest = max([len(seqs[x][0]) for x in cur] + [len(seqs[j][0])])
-                if cur and longest * (len(cur) + 1) > tokens_per_step:
+            for j in sorted(order[i : i + 64], key=lambda j: lengths[j]):
+                if cur and lengths[j] * (len(cur) + 1) > tokens_per_step:  # sorted: j is the longest
                     groups.append(cur)
                     cur = []
-                cur.append(j)
+                cur.append(int(j))
             if cur:
                 groups.append(cur)
-        for g in (groups[i] for i in rng.permutation(len(groups))):
-            yield _pad(seqs, g, remap)
+        for g in rng.permutation(len(groups)):
+            yield groups[g]
 
 
 def _pad(seqs, group, remap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,140 +410,157 @@ class _Progress:
 
 
 # ---------------------------------------------------------------------------- recipe
-def train_draft(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib.Path, cfg: TrainDraftConfig,
-                base: str, command: str, resume: bool = False, log=print) -> dict:
-    """Run the recipe (module docstring); returns the `train_info.json` dict."""
-    from verifier.models.vocab import VocabFingerprint
-
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    started = time.perf_counter()
-    corpus_path = out / "corpus.pt"
-    if resume and corpus_path.is_file():
-        saved = torch.load(corpus_path, weights_only=False)
+def load_or_build_corpus(target: LlamaModel, tokenizer: Tokenizer, cfg: TrainDraftConfig, out: pathlib.Path,
+                         reuse: pathlib.Path | None, log=print) -> Corpus:
+    """The corpus at `reuse` when it exists, else a fresh one (saved as OUT/corpus.pt)."""
+    if reuse is not None and reuse.is_file():
+        saved = torch.load(reuse, weights_only=False)
         corpus = Corpus(saved["train"], saved["held_out"], saved["stats"])
-        log(f"corpus: reused {corpus_path.name} ({corpus.stats})")
-    else:
-        corpus = build_corpus(target, tokenizer, cfg, log)
-        torch.save(dataclasses.asdict(corpus), corpus_path)
-        log(f"corpus: {corpus.stats}")
-    vocab_ids = frequent_ids(corpus, cfg.vocab_subset, target.config.vocab_size, set(tokenizer.eos_token_ids))
-    remap = np.full(target.config.vocab_size, -100, np.int64)
+        log(f"corpus: reused {reuse.name} ({corpus.stats})")
+        return corpus
+    corpus = build_corpus(target, tokenizer, cfg, log)
+    torch.save(dataclasses.asdict(corpus), out / "corpus.pt")
+    log(f"corpus: {corpus.stats}")
+    return corpus
+
+
+def vocab_subset(corpus: Corpus, size: int, vocab_size: int, eos_ids) -> tuple[np.ndarray, np.ndarray, float]:
+    """(vocab_ids, remap: target id -> draft column or -100, share of training labels covered)."""
+    vocab_ids = frequent_ids(corpus, size, vocab_size, set(eos_ids))
+    remap = np.full(vocab_size, -100, np.int64)
     remap[vocab_ids] = np.arange(vocab_ids.size)
     labels = np.concatenate([np.asarray(y) for _, y in corpus.train])
     labels = labels[labels >= 0]
-    coverage = float((remap[labels] >= 0).mean())
-    log(f"vocabulary subset: {vocab_ids.size} ids cover {coverage:.4f} of the training labels")
+    return vocab_ids, remap, float((remap[labels] >= 0).mean())
 
-    net = DraftNet(target, cfg.init_layers, vocab_ids)
+
+def fit(net: nn.Module, cfg: TrainDraftConfig, out: pathlib.Path, batch_loss, batches_from, evaluate,
+        resume: bool, log=print) -> tuple[list[dict], float]:
+    """AdamW with warm-up and cosine decay, gradient clipping, held-out `evaluate()` every
+    `eval_every` steps and a checkpoint every `checkpoint_every` (`resume` continues from
+    it). `batches_from(step)` gives the batch iterator, `batch_loss(batch)` the loss.
+    Returns (history, training seconds)."""
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    step = 0
-    rng = np.random.default_rng(cfg.seed + 1)
+    step, history = 0, []
     ckpt_path = out / "checkpoint.pt"
-    history: list[dict] = []
     if resume and ckpt_path.is_file():
         ckpt = torch.load(ckpt_path, weights_only=False)
         net.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optim"])
         step, history = ckpt["step"], ckpt["history"]
-        rng = np.random.default_rng(cfg.seed + 1 + step)  # a fresh, still deterministic, order
         log(f"resumed at step {step}")
-    initial = agreement(net, corpus.held_out, remap) if step == 0 else None
-    if initial is not None:
-        history.append({"step": 0, "held_out_agreement": round(initial, 4)})
-        log(f"step 0: held-out agreement {initial:.4f}")
-    batches = _batches(corpus.train, remap, cfg.tokens_per_step, rng)
+    if step == 0:
+        acc = evaluate()
+        history.append({"step": 0, "held_out_agreement": round(acc, 4)})
+        log(f"step 0: held-out agreement {acc:.4f}")
+    batches = batches_from(step)
     bar = _Progress(cfg.steps, "training", log)
     bar.done = step
-    t_train = time.perf_counter()
-    loss_ewma = None
+    started = time.perf_counter()
+    ewma = None
     while step < cfg.steps:
-        ids, y = next(batches)
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        hidden = net(ids)
-        mask = y != -100
-        logits = hidden[mask] @ net.head.t()
-        loss = F.cross_entropy(logits, y[mask])
+        loss = batch_loss(next(batches))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         step += 1
         value = loss.item()
-        loss_ewma = value if loss_ewma is None else 0.95 * loss_ewma + 0.05 * value
-        bar.update(1, f"loss {loss_ewma:.3f}")
+        ewma = value if ewma is None else 0.95 * ewma + 0.05 * value
+        bar.update(1, f"loss {ewma:.3f}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            acc = agreement(net, corpus.held_out, remap)
-            history.append({"step": step, "loss": round(loss_ewma, 4), "held_out_agreement": round(acc, 4)})
-            log(f"{chr(10) if bar.tty else ''}step {step}: loss {loss_ewma:.3f}, held-out agreement {acc:.4f}")
+            acc = evaluate()
+            history.append({"step": step, "loss": round(ewma, 4), "held_out_agreement": round(acc, 4)})
+            log(f"{chr(10) if bar.tty else ''}step {step}: loss {ewma:.3f}, held-out agreement {acc:.4f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             torch.save({"model": net.state_dict(), "optim": opt.state_dict(), "step": step, "history": history},
                        ckpt_path)
     bar.close()
-    train_s = time.perf_counter() - t_train
+    return history, time.perf_counter() - started
 
-    # Saved in bfloat16: the figure reported is the one of the weights as saved.
+
+def round_to_bfloat16(net: nn.Module) -> None:
+    """The weights as they will be saved, so that the figures reported are theirs."""
     with torch.no_grad():
         for p in net.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    final = agreement(net, corpus.held_out, remap)
-    weights_sha = save_draft(net, vocab_ids, out)
-    fingerprint = VocabFingerprint.of(tokenizer)
+
+
+def write_outputs(out: pathlib.Path, target: LlamaModel, tokenizer: Tokenizer, num_layers: int, splitspec: dict,
+                  info: dict, log=print) -> None:
+    """config.json (an HF Llama config of the trained layers plus the `splitspec` block, to
+    which the vocabulary fingerprint and the weights' sha256 are added) and train_info.json."""
+    from verifier.models.vocab import VocabFingerprint
+
+    fp = VocabFingerprint.of(tokenizer)
     c = target.config
     config = {
-        "model_type": c.architecture,
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": len(cfg.init_layers),
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_position,
-        "tie_word_embeddings": True,
-        "attention_bias": c.attention_bias,
-        "torch_dtype": "bfloat16",
+        "model_type": c.architecture, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position,
+        "tie_word_embeddings": True, "attention_bias": c.attention_bias, "torch_dtype": "bfloat16",
         "splitspec": {
-            "kind": "draft",
-            "embeddings": "target",
-            "base_model": base,
-            "vocab_subset": int(vocab_ids.size),
+            **splitspec,
             "tokenizer_fingerprint": {
-                "vocab_type": fingerprint.vocab_type, "vocab_size": fingerprint.vocab_size,
-                "bos_token_id": fingerprint.bos_token_id, "eos_token_ids": list(fingerprint.eos_token_ids),
-                "token_texts_sha256": fingerprint.token_texts_sha256,
+                "vocab_type": fp.vocab_type, "vocab_size": fp.vocab_size, "bos_token_id": fp.bos_token_id,
+                "eos_token_ids": list(fp.eos_token_ids), "token_texts_sha256": fp.token_texts_sha256,
             },
-            "weights_sha256": weights_sha,
+            "weights_sha256": hashlib.sha256((out / WEIGHTS_FILE).read_bytes()).hexdigest(),
         },
     }
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    info = {
-        "command": command,
-        "recipe": dataclasses.asdict(cfg),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "corpus": corpus.stats,
-        "vocab_subset_coverage": round(coverage, 4),
-        "history": history,
-        "held_out_agreement": round(final, 4),
-        "train_s": round(train_s, 1),
-        "total_s": round(time.perf_counter() - started, 1),
-    }
+    info = {**info, "torch": torch.__version__, "threads": torch.get_num_threads()}
     (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     log(f"saved {out / WEIGHTS_FILE} ({(out / WEIGHTS_FILE).stat().st_size / 1e6:.1f} MB), "
-        f"held-out agreement {final:.4f}")
+        f"held-out agreement {info['held_out_agreement']:.4f}")
+
+
+def train_draft(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib.Path, cfg: TrainDraftConfig,
+                base: str, command: str, resume: bool = False, log=print) -> dict:
+    """Run the recipe (module docstring); returns the `train_info.json` dict."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    started = time.perf_counter()
+    corpus = load_or_build_corpus(target, tokenizer, cfg, out, out / "corpus.pt" if resume else None, log)
+    vocab_ids, remap, coverage = vocab_subset(corpus, cfg.vocab_subset, target.config.vocab_size,
+                                              tokenizer.eos_token_ids)
+    log(f"vocabulary subset: {vocab_ids.size} ids cover {coverage:.4f} of the training labels")
+    net = DraftNet(target, cfg.init_layers, vocab_ids)
+
+    def batch_loss(batch) -> torch.Tensor:
+        ids, y = batch
+        mask = y != -100
+        return F.cross_entropy(net(ids)[mask] @ net.head.t(), y[mask])
+
+    def batches_from(step: int):
+        # A resumed run draws a fresh, still deterministic, order.
+        rng = np.random.default_rng(cfg.seed + 1 + step)
+        lengths = [len(x) for x, _ in corpus.train]
+        return (_pad(corpus.train, g, remap) for g in length_groups(lengths, cfg.tokens_per_step, rng))
+
+    history, train_s = fit(net, cfg, out, batch_loss, batches_from,
+                           lambda: agreement(net, corpus.held_out, remap), resume, log)
+    round_to_bfloat16(net)
+    final = agreement(net, corpus.held_out, remap)
+    save_draft(net, vocab_ids, out)
+    info = {
+        "command": command, "recipe": dataclasses.asdict(cfg), "corpus": corpus.stats,
+        "vocab_subset_coverage": round(coverage, 4), "history": history, "held_out_agreement": round(final, 4),
+        "train_s": round(train_s, 1), "total_s": round(time.perf_counter() - started, 1),
+    }
+    write_outputs(out, target, tokenizer, len(cfg.init_layers),
+                  {"kind": "draft", "embeddings": "target", "base_model": base, "vocab_subset": int(vocab_ids.size)},
+                  info, log)
     return info
 
 
-def save_draft(net: DraftNet, vocab_ids: np.ndarray, out: pathlib.Path) -> str:
-    """Write the layers (HF names, bfloat16), the final norm and `vocab_ids`; returns the
-    file's sha256."""
+def save_draft(net: DraftNet, vocab_ids: np.ndarray, out: pathlib.Path) -> None:
+    """Write the layers (HF names, bfloat16), the final norm and `vocab_ids`."""
     from safetensors.torch import save_file
 
     c = net.config
@@ -569,6 +583,4 @@ def save_draft(net: DraftNet, vocab_ids: np.ndarray, out: pathlib.Path) -> str:
             tensors.update({p + "self_attn.q_proj.bias": bq, p + "self_attn.k_proj.bias": bk,
                             p + "self_attn.v_proj.bias": bv})
     tensors = {k: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()}
-    path = out / WEIGHTS_FILE
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})

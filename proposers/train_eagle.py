@@ -24,9 +24,6 @@ by the target), read from a `corpus.pt` it wrote (`--corpus`) or built afresh. T
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import math
 import pathlib
 import time
 
@@ -35,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from proposers.train import (CONFIG_FILE, INFO_FILE, WEIGHTS_FILE, Corpus, TrainDraftConfig, _Layer, _Progress,
-                             _rotate_half, build_corpus, frequent_ids)
+from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _Layer, _Progress, _rotate_half, fit, length_groups,
+                             load_or_build_corpus, round_to_bfloat16, vocab_subset, write_outputs)
 from verifier.models.llama import LlamaModel
 from verifier.models.tokenizer import Tokenizer
 
@@ -46,7 +43,7 @@ class TrainEagleConfig(TrainDraftConfig):
     init_layers: tuple[int, ...] = (29,)
     #: A corpus.pt written by `splitspec train draft` (same recipe fields); None: build one.
     corpus: str | None = None
-    steps: int = 300
+    steps: int = 600
     lr: float = 1e-3
     cls_weight: float = 0.1
     feature_noise: float = 0.1
@@ -137,25 +134,6 @@ def _batch(seqs, feats, group, remap):
     return torch.from_numpy(ids), f_in, f_out, torch.from_numpy(labels), valid
 
 
-def _groups(seqs, tokens_per_step, rng):
-    while True:
-        order = rng.permutation(len(seqs))
-        windows = [sorted(order[i : i + 64], key=lambda j: len(seqs[j][0])) for i in range(0, len(order), 64)]
-        groups = []
-        for w in windows:
-            cur: list[int] = []
-            for j in w:
-                longest = max([len(seqs[x][0]) for x in cur] + [len(seqs[j][0])])
-                if cur and longest * (len(cur) + 1) > tokens_per_step:
-                    groups.append(cur)
-                    cur = []
-                cur.append(j)
-            if cur:
-                groups.append(cur)
-        for i in rng.permutation(len(groups)):
-            yield groups[i]
-
-
 @torch.no_grad()
 def agreement(net: EagleNet, seqs, feats, remap) -> float:
     """Top-1 agreement of the head's first draft with the target (teacher-forced features)."""
@@ -169,31 +147,15 @@ def agreement(net: EagleNet, seqs, feats, remap) -> float:
     return hit / max(total, 1)
 
 
-def _lr(cfg, step):
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    t = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-
 def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib.Path, cfg: TrainEagleConfig,
                 base: str, command: str, resume: bool = False, log=print) -> dict:
     """Run the recipe (module docstring); returns the `train_info.json` dict."""
-    from verifier.models.vocab import VocabFingerprint
-
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
-    corpus_path = pathlib.Path(cfg.corpus) if cfg.corpus else out / "corpus.pt"
-    if corpus_path.is_file() and (cfg.corpus or resume):
-        saved = torch.load(corpus_path, weights_only=False)
-        corpus = Corpus(saved["train"], saved["held_out"], saved["stats"])
-        log(f"corpus: reused {corpus_path.name} ({corpus.stats})")
-    else:
-        corpus = build_corpus(target, tokenizer, cfg, log)
-        torch.save(dataclasses.asdict(corpus), out / "corpus.pt")
-        log(f"corpus: {corpus.stats}")
+    reuse = pathlib.Path(cfg.corpus) if cfg.corpus else (out / "corpus.pt" if resume else None)
+    corpus = load_or_build_corpus(target, tokenizer, cfg, out, reuse, log)
     feats_path = out / "features.pt"
     t0 = time.perf_counter()
     if resume and feats_path.is_file():
@@ -206,103 +168,49 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
         bar.close()
         torch.save({"train": train_f, "held_out": held_f}, feats_path)
     features_s = time.perf_counter() - t0
-    vocab_ids = frequent_ids(corpus, cfg.vocab_subset, target.config.vocab_size, set(tokenizer.eos_token_ids))
-    remap = np.full(target.config.vocab_size, -100, np.int64)
-    remap[vocab_ids] = np.arange(vocab_ids.size)
+    vocab_ids, remap, coverage = vocab_subset(corpus, cfg.vocab_subset, target.config.vocab_size,
+                                              tokenizer.eos_token_ids)
     # Sequences of one token have no (input, target) pair.
-    train_idx = [i for i, (x, _) in enumerate(corpus.train) if len(x) >= 2]
-    seqs = [corpus.train[i] for i in train_idx]
-    feats = [train_f[i] for i in train_idx]
-
+    keep = [i for i, (x, _) in enumerate(corpus.train) if len(x) >= 2]
+    seqs, feats = [corpus.train[i] for i in keep], [train_f[i] for i in keep]
     net = EagleNet(target, cfg.init_layers[0], vocab_ids)
-    params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    step, history = 0, []
-    ckpt_path = out / "checkpoint.pt"
-    rng = np.random.default_rng(cfg.seed + 1)
-    if resume and ckpt_path.is_file():
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        net.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optim"])
-        step, history = ckpt["step"], ckpt["history"]
+
+    def batches_from(step: int):
         rng = np.random.default_rng(cfg.seed + 1 + step)
-        log(f"resumed at step {step}")
-    if step == 0:
-        acc = agreement(net, corpus.held_out, held_f, remap)
-        history.append({"step": 0, "held_out_agreement": round(acc, 4)})
-        log(f"step 0: held-out agreement {acc:.4f}")
-    groups = _groups(seqs, cfg.tokens_per_step, rng)
-    noise = torch.Generator().manual_seed(cfg.seed + 2 + step)
-    bar = _Progress(cfg.steps, "training", log)
-    bar.done = step
-    t_train = time.perf_counter()
-    ewma = None
-    while step < cfg.steps:
-        ids, f_in, f_out, labels, valid = _batch(seqs, feats, next(groups), remap)
-        if cfg.feature_noise:
-            f_in = f_in + cfg.feature_noise * (2 * torch.rand(f_in.shape, generator=noise) - 1)
-        for g in opt.param_groups:
-            g["lr"] = _lr(cfg, step)
+        noise = torch.Generator().manual_seed(cfg.seed + 2 + step)
+        for group in length_groups([len(x) for x, _ in seqs], cfg.tokens_per_step, rng):
+            ids, f_in, f_out, labels, valid = _batch(seqs, feats, group, remap)
+            if cfg.feature_noise:
+                f_in = f_in + cfg.feature_noise * (2 * torch.rand(f_in.shape, generator=noise) - 1)
+            yield ids, f_in, f_out, labels, valid
+
+    def batch_loss(batch) -> torch.Tensor:
+        ids, f_in, f_out, labels, valid = batch
         pred = net(ids, f_in)
         reg = F.smooth_l1_loss(pred[valid], f_out[valid])
         mask = labels != -100
-        cls = F.cross_entropy(pred[mask] @ net.head.t(), labels[mask]) if mask.any() else pred.sum() * 0
-        loss = reg + cfg.cls_weight * cls
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        step += 1
-        value = loss.item()
-        ewma = value if ewma is None else 0.95 * ewma + 0.05 * value
-        bar.update(1, f"loss {ewma:.3f}")
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            acc = agreement(net, corpus.held_out, held_f, remap)
-            history.append({"step": step, "loss": round(ewma, 4), "held_out_agreement": round(acc, 4)})
-            log(f"{chr(10) if bar.tty else ''}step {step}: loss {ewma:.3f}, held-out agreement {acc:.4f}")
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            torch.save({"model": net.state_dict(), "optim": opt.state_dict(), "step": step, "history": history},
-                       ckpt_path)
-    bar.close()
-    train_s = time.perf_counter() - t_train
-    with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+        if not mask.any():
+            return reg
+        return reg + cfg.cls_weight * F.cross_entropy(pred[mask] @ net.head.t(), labels[mask])
+
+    history, train_s = fit(net, cfg, out, batch_loss, batches_from,
+                           lambda: agreement(net, corpus.held_out, held_f, remap), resume, log)
+    round_to_bfloat16(net)
     final = agreement(net, corpus.held_out, held_f, remap)
-    weights_sha = save_eagle(net, vocab_ids, out)
-    fingerprint = VocabFingerprint.of(tokenizer)
-    c = target.config
-    config = {
-        "model_type": c.architecture, "architectures": ["LlamaForCausalLMEagle"],
-        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": 1, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_position, "tie_word_embeddings": True,
-        "attention_bias": c.attention_bias, "torch_dtype": "bfloat16",
-        "splitspec": {
-            "kind": "eagle", "base_model": base, "vocab_subset": int(vocab_ids.size),
-            "tokenizer_fingerprint": {
-                "vocab_type": fingerprint.vocab_type, "vocab_size": fingerprint.vocab_size,
-                "bos_token_id": fingerprint.bos_token_id, "eos_token_ids": list(fingerprint.eos_token_ids),
-                "token_texts_sha256": fingerprint.token_texts_sha256,
-            },
-            "weights_sha256": weights_sha,
-        },
-    }
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    save_eagle(net, vocab_ids, out)
     info = {
-        "command": command, "recipe": dataclasses.asdict(cfg), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "corpus": corpus.stats, "features_s": round(features_s, 1),
-        "history": history, "held_out_agreement": round(final, 4), "train_s": round(train_s, 1),
+        "command": command, "recipe": dataclasses.asdict(cfg), "corpus": corpus.stats,
+        "vocab_subset_coverage": round(coverage, 4), "features_s": round(features_s, 1), "history": history,
+        "held_out_agreement": round(final, 4), "train_s": round(train_s, 1),
         "total_s": round(time.perf_counter() - started, 1),
     }
-    (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    log(f"saved {out / WEIGHTS_FILE} ({(out / WEIGHTS_FILE).stat().st_size / 1e6:.1f} MB), "
-        f"held-out agreement {final:.4f}")
+    write_outputs(out, target, tokenizer, 1, {"kind": "eagle", "base_model": base, "vocab_subset": int(vocab_ids.size)},
+                  info, log)
     return info
 
 
-def save_eagle(net: EagleNet, vocab_ids: np.ndarray, out: pathlib.Path) -> str:
+def save_eagle(net: EagleNet, vocab_ids: np.ndarray, out: pathlib.Path) -> None:
+    """Write the head in the EAGLE-1 layout (bfloat16) plus `splitspec.vocab_ids`."""
     from safetensors.torch import save_file
 
     c = net.config
@@ -324,6 +232,4 @@ def save_eagle(net: EagleNet, vocab_ids: np.ndarray, out: pathlib.Path) -> str:
         tensors.update({"layers.0.self_attn.q_proj.bias": bq, "layers.0.self_attn.k_proj.bias": bk,
                         "layers.0.self_attn.v_proj.bias": bv})
     tensors = {k: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()}
-    path = out / WEIGHTS_FILE
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -98,7 +98,7 @@ def test_recipe_writes_a_draft_the_proposer_loads(tiny_draft, model, tokenizer):
     # The proposer drafts target ids: column c of the draft's head is token_map[c].
     proposer = DraftModelProposer(draft, vocab, DraftModelConfig(max_num_seqs=1), token_map=token_map)
     (p,) = proposer.propose_sync([ProposalRequest("s", 0, np.asarray(ids, np.int32), 1, 0.0)])
-    assert p.token_ids.tolist() == [int(token_map[int(want[0, -1].argmax())])]
+    assert p.draft_token_ids.tolist() == [int(token_map[int(want[0, -1].argmax())])]
 
 
 @pytest.mark.slow
