@@ -213,7 +213,7 @@ class DraftModelProposer:
                     continue
                 out.append(Proposal(r.seq_id, np.zeros(0, np.int32)))
                 room = self.config.max_model_len - seq.ctx_len + 1  # the last draft is never fed
-                k = min(r.k, self.max_k, room) if seq.ctx_len else 0
+                k = min(r.k, self.max_k, room) if seq.ctx_len >= self._min_context else 0
                 if k > 0:
                     drafting.append((i, seq, k, float(r.temperature)))
             if drafting:
@@ -271,6 +271,8 @@ class DraftModelProposer:
 
     #: The per-sequence state class (the EAGLE proposer adds its features).
     _state = _Seq
+    #: Shortest context that can be drafted for (EAGLE needs one feature: 2 tokens).
+    _min_context = 1
 
     def _new(self, seq_id: str, length: int) -> _Seq:
         if self.cache.num_free_slots == 0:

@@ -143,6 +143,7 @@ class EagleProposer(DraftModelProposer):
         self.head = head
 
     _state = _EagleSeq
+    _min_context = 2  # drafting reads at least one feature
 
     def _update(self, r: ProposalRequest) -> _EagleSeq | None:
         """Apply the delta and place the features; None (resync) when state is missing."""
@@ -181,26 +182,6 @@ class EagleProposer(DraftModelProposer):
         seq.kv_real = min(seq.kv_real, kept, self.cache.lens[seq.slot])
         self.cache.rollback(seq.slot, seq.kv_real)
         return seq
-
-    def propose_sync(self, requests):
-        with self._lock:
-            out: list[Proposal] = []
-            drafting = []
-            for i, r in enumerate(requests):
-                seq = self._update(r)
-                if seq is None:
-                    out.append(Proposal(r.seq_id, np.zeros(0, np.int32), resync=True))
-                    continue
-                out.append(Proposal(r.seq_id, np.zeros(0, np.int32)))
-                room = self.config.max_model_len - seq.ctx_len + 1
-                # Drafting needs at least one feature (a context of 2+ tokens).
-                k = min(r.k, self.max_k, room) if seq.ctx_len >= 2 else 0
-                if k > 0:
-                    drafting.append((i, seq, k, float(r.temperature)))
-            if drafting:
-                for (i, _, _, _), (tokens, probs) in zip(drafting, self._draft(drafting)):
-                    out[i] = Proposal(requests[i].seq_id, tokens, probs)
-            return out
 
     @torch.inference_mode()
     def _draft(self, drafting):

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verifier.models.llama import LlamaModel
+from verifier.models.llama import LlamaModel, rotate_half
 from verifier.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -304,28 +304,31 @@ class DraftNet(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids int64 [B, L] -> hidden states after the final norm [B, L, hidden]."""
         c = self.config
-        B, L = ids.shape
-        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        cos, sin = self.cos[:L].view(1, L, 1, D), self.sin[:L].view(1, L, 1, D)
         h = F.embedding(ids, self.embed)
         for layer in self.layers:
-            x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.wqkv, layer.bqkv)
-            qk = qkv[..., : (H + Hkv) * D].view(B, L, H + Hkv, D)
-            qk = qk * cos + _rotate_half(qk) * sin
-            q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
-            v = qkv[..., (H + Hkv) * D :].view(B, L, Hkv, D).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            h = h + F.linear(o.transpose(1, 2).reshape(B, L, H * D), layer.wo)
-            x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+            h = decoder_layer(h, layer, c, self.cos, self.sin)
         return F.rms_norm(h, (c.hidden_size,), self.norm, c.rms_norm_eps)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def decoder_layer(h: torch.Tensor, layer: _Layer, c, cos: torch.Tensor, sin: torch.Tensor,
+                  input_norm: bool = True) -> torch.Tensor:
+    """One Llama decoder layer over padded rows h [B, L, hidden] with plain causal attention
+    (the training form of `verifier.models.llama`); `input_norm=False` skips the input norm
+    (an EAGLE head's layer). cos, sin: the model's [max_position, head_dim] tables."""
+    B, L, _ = h.shape
+    H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+    cos, sin = cos[:L].view(1, L, 1, D), sin[:L].view(1, L, 1, D)
+    x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps) if input_norm else h
+    qkv = F.linear(x, layer.wqkv, layer.bqkv)
+    qk = qkv[..., : (H + Hkv) * D].view(B, L, H + Hkv, D)
+    qk = qk * cos + rotate_half(qk) * sin
+    q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+    v = qkv[..., (H + Hkv) * D :].view(B, L, Hkv, D).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    h = h + F.linear(o.transpose(1, 2).reshape(B, L, H * D), layer.wo)
+    x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
+    gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, layer.w_down)
 
 
 def length_groups(lengths: list[int], tokens_per_step: int, rng: np.random.Generator) -> Iterator[list[int]]:

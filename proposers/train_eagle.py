@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _Layer, _Progress, _rotate_half, fit, length_groups,
+from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _Layer, _Progress, decoder_layer, fit, length_groups,
                              load_or_build_corpus, round_to_bfloat16, vocab_subset, write_outputs)
 from verifier.models.llama import LlamaModel
 from verifier.models.tokenizer import Tokenizer
@@ -93,22 +93,8 @@ class EagleNet(nn.Module):
 
     def forward(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """next_ids int64 [B, L] (x_{t+1}), features [B, L, H] (f_t) -> f^_{t+1} [B, L, H]."""
-        c = self.config
-        B, L = next_ids.shape
-        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         h = F.linear(torch.cat([F.embedding(next_ids, self.embed), features], dim=-1), self.fc_weight, self.fc_bias)
-        layer = self.layer
-        cos, sin = self.cos[:L].view(1, L, 1, D), self.sin[:L].view(1, L, 1, D)
-        qkv = F.linear(h, layer.wqkv, layer.bqkv)
-        qk = qkv[..., : (H + Hkv) * D].view(B, L, H + Hkv, D)
-        qk = qk * cos + _rotate_half(qk) * sin
-        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
-        v = qkv[..., (H + Hkv) * D :].view(B, L, Hkv, D).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        h = h + F.linear(o.transpose(1, 2).reshape(B, L, H * D), layer.wo)
-        x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
-        gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, layer.w_down)
+        return decoder_layer(h, self.layer, self.config, self.cos, self.sin, input_norm=False)
 
 
 def _batch(seqs, feats, group, remap):

@@ -528,14 +528,11 @@ class Engine:
             offset += n
         token_ids = torch.tensor(list(itertools.chain.from_iterable(w.input_token_ids for w in works)),
                                  dtype=torch.int64)
-        hidden = None
-        if self._hidden_methods:  # every input's hidden state; the kept ones are stored below
-            logits, hidden = self.model.forward(token_ids, [w.seq.slot for w in works], num_tokens, self.cache,
-                                                torch.tensor(index, dtype=torch.int64),
-                                                hidden_index=torch.arange(sum(num_tokens)))
-        else:
-            logits = self.model.forward(token_ids, [w.seq.slot for w in works], num_tokens, self.cache,
-                                        torch.tensor(index, dtype=torch.int64))  # [R, V] float32
+        # Every input's hidden state when a proposer reads them; the kept ones are stored below.
+        hidden_index = torch.arange(sum(num_tokens)) if self._hidden_methods else None
+        out = self.model.forward(token_ids, [w.seq.slot for w in works], num_tokens, self.cache,
+                                 torch.tensor(index, dtype=torch.int64), hidden_index=hidden_index)
+        logits, hidden = out if hidden_index is not None else (out, None)  # logits: [R, V] float32
         argmax = logits.argmax(dim=-1).tolist()
         row = first = 0
         for w in works:

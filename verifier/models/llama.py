@@ -84,12 +84,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _pad_rows(index: torch.Tensor) -> torch.Tensor:
-    """Pad an int64 [n] index with zeros to MIN_GEMM_ROWS when 1 < n < MIN_GEMM_ROWS."""
-    n = index.shape[0]
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """Pad x [n, ...] with zero rows to MIN_GEMM_ROWS when 1 < n < MIN_GEMM_ROWS."""
+    n = x.shape[0]
     if 1 < n < MIN_GEMM_ROWS:
-        return torch.cat([index, index.new_zeros(MIN_GEMM_ROWS - n)])
-    return index
+        return torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - n, *x.shape[1:])])
+    return x
 
 
 def _grouped_attention(
@@ -201,11 +201,8 @@ class LlamaModel:
 
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1)
-        if input_embeds is None:
-            h = F.embedding(_pad_rows(token_ids.long()), self.embed)  # [T_pad, hidden]; padding rows are dead
-        else:
-            pad = _pad_rows(torch.zeros(T, dtype=torch.int64)).shape[0] - T
-            h = input_embeds if pad == 0 else torch.cat([input_embeds, input_embeds.new_zeros(pad, input_embeds.shape[1])])
+        # [T_pad, hidden]; padding rows are dead
+        h = F.embedding(_pad_rows(token_ids.long()), self.embed) if input_embeds is None else _pad_rows(input_embeds)
         for li, layer in enumerate(self.layers):
             x = h if layer.input_norm is None else rms_norm(h, layer.input_norm, c.rms_norm_eps)
             h = h + self._attention(li, layer, x, spans, positions, token_slots, cos, sin, cache)
