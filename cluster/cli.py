@@ -102,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cluster.config import LOCAL_CONFIG_PATH, load_config
     from cluster.service import deploy, init_ray, start_serve, stop, wait_healthy
+    from cluster.tracing import tracing_env
 
     config = load_config(args.config or LOCAL_CONFIG_PATH)
     api = config.api
@@ -117,21 +118,27 @@ def _serve(args: argparse.Namespace) -> int:
 
     app_name = args.app_name
     print(f"starting {'Ray at ' + args.address if args.address else 'a local Ray cluster'} ...", flush=True)
-    init_ray(args.address)
+    metrics_port = init_ray(args.address, metrics_port=api.metrics_port, env=tracing_env(config.tracing))
     # After ray.init, which installs its own SIGTERM handler.
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        http_port, grpc_port = start_serve(api.host, http_port, grpc_port)
+        http_port, grpc_port = start_serve(api.host, http_port, grpc_port, config.tracing)
         print("deploying (loads the model in the verifier replica) ...", flush=True)
         deploy(config, app_name)
         http = f"http://{api.host}:{http_port}"
         wait_healthy(f"{http}/health", timeout_s=300)
-        print(f"splitspec is ready\n"
-              f"  OpenAI API  {http}/v1   (e.g. POST {http}/v1/chat/completions)\n"
-              f"  health      {http}/health\n"
-              f"  gRPC        {api.host}:{grpc_port}   (splitspec.v1.Generate/Generate)\n"
-              f"Ctrl-C stops it.", flush=True)
+        lines = [
+            "splitspec is ready",
+            f"  OpenAI API  {http}/v1   (e.g. POST {http}/v1/chat/completions)",
+            f"  health      {http}/health",
+            f"  gRPC        {api.host}:{grpc_port}   (splitspec.v1.Generate/Generate)",
+        ]
+        if metrics_port:
+            lines.append(f"  metrics     http://127.0.0.1:{metrics_port}/metrics   (Prometheus, ray_splitspec_*)")
+        if config.tracing.exporter != "none":
+            lines.append(f"  tracing     {config.tracing.exporter} {config.tracing.endpoint or ''}".rstrip())
+        print("\n".join(lines + ["Ctrl-C stops it."]), flush=True)
         while not stopping.wait(0.5):
             pass
         print("stopping ...", flush=True)

@@ -152,6 +152,32 @@ class ApiConfig(_Strict):
     host: str = Field("127.0.0.1", description="Bind address of the HTTP and gRPC ingress.")
     http_port: int = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port (0 = any free port).")
     grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC Generate port (0 = any free port).")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus port of the local Ray node's metrics (`splitspec serve` "
+        "starting a cluster; 0 = any free port, printed at start). On KubeRay every pod exports on 8080.")
+
+
+class TracingConfig(_Strict):
+    """OpenTelemetry traces (`cluster/tracing.py`): one trace per request, from Serve's proxy
+    through the ingress, the verifier's rounds and every proposer call."""
+
+    exporter: Literal["none", "console", "otlp_http"] = Field(
+        "none", description="'otlp_http' sends to an OTLP/HTTP collector (Jaeger, Tempo, the OpenTelemetry "
+        "Collector); 'console' prints spans to each process's stdout (Ray's worker logs); 'none' is off.")
+    endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces URL, e.g. http://otel-collector:4318/v1/traces; null = the "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT environment variable, else http://localhost:4318/v1/traces.")
+    sampling_ratio: float = Field(1.0, ge=0, le=1, description="Share of requests traced (parent-based: a "
+                                  "request arriving with a sampled traceparent is always traced).")
+    service_name: str = Field("splitspec", min_length=1, description="`service.name` of every span.")
+    export_delay_ms: int = Field(2000, ge=1, description="How often the batch span processor exports.")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _url(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, got {endpoint!r}")
+        return endpoint
 
 
 class SplitspecConfig(_Strict):
@@ -162,7 +188,8 @@ class SplitspecConfig(_Strict):
         (ProposerConfig(method="ngram"),), description="Proposer deployments; empty = no speculation.")
     verifier: VerifierConfig = Field(VerifierConfig(), description="The verifier deployment.")
     controller: ControllerConfig = Field(ControllerConfig(), description="The speculation policy.")
-    api: ApiConfig = Field(ApiConfig(), description="Ingress ports.")
+    api: ApiConfig = Field(ApiConfig(), description="Ingress and metrics ports.")
+    tracing: TracingConfig = Field(TracingConfig(), description="OpenTelemetry tracing.")
 
     @model_validator(mode="after")
     def _distinct(self) -> "SplitspecConfig":

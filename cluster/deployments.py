@@ -119,6 +119,7 @@ class VerifierReplica:
         import torch
 
         from cluster.local import engine_from_config, load_model_and_tokenizer, verifier_threads
+        from cluster.metrics import RayEngineMetrics
         from verifier.models.vocab import VocabFingerprint
         from proposers.registry import NEEDS_HIDDEN_STATES
         from verifier.routing import RoutedProposalSource
@@ -139,10 +140,11 @@ class VerifierReplica:
             for m in self._proposer_deployments
         }
         methods = tuple(self._routers)
-        engine = engine_from_config(cfg, model, tokenizer, self._routers)
+        app_name = serve.get_replica_context().app_name
+        engine = engine_from_config(cfg, model, tokenizer, self._routers, RayEngineMetrics(app_name))
         self.server = VerifierServer(engine, served_model_name(cfg))
         self._seen = {m: False for m in methods}
-        self._directory = get_directory(serve.get_replica_context().app_name) if methods else None
+        self._directory = get_directory(app_name) if methods else None
         if methods:
             await self._discover()
         self._discovery = asyncio.get_running_loop().create_task(self._discovery_loop())

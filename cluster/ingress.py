@@ -11,6 +11,7 @@ No `from __future__ import annotations` here: FastAPI must see `Request` as a cl
 a string, in the routes of a Serve class-based ingress.
 """
 
+import dataclasses
 import json
 import math
 import time
@@ -20,15 +21,20 @@ from typing import Any, AsyncIterator, Literal
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from protos import trace_context
 from protos.splitspec.v1 import generate_pb2
 from verifier.server import GenerateInput
 
 #: Import path of the gRPC servicer Serve's gRPC proxy registers.
 GENERATE_SERVICER = "protos.splitspec.v1.generate_pb2_grpc.add_GenerateServicer_to_server"
+
+#: `splitspec.ingress`, one span per request, under Serve's proxy span when Serve traces.
+tracer = trace.get_tracer("splitspec.ingress")
 
 app = FastAPI(title="splitspec", description="OpenAI-compatible API with disaggregated speculative decoding")
 
@@ -153,6 +159,15 @@ async def _json(request: Request) -> Any:
         raise ApiError(400, f"body: not valid JSON: {exc}", "body") from None
 
 
+async def _ending(span, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events`, ending `span` when the stream ends or the client goes away."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        span.end()
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -172,8 +187,11 @@ class Ingress:
         if model and model != self.model_name:
             raise ApiError(400, f"model: {model!r} is not served here; available: [{self.model_name!r}]", "model")
 
-    async def _open(self, inp: GenerateInput) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
-        """Start the verifier stream; return its first event and the rest (errors raised)."""
+    async def _open(self, inp: GenerateInput, span=None) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
+        """Start the verifier stream; return its first event and the rest (errors raised).
+        The verifier's spans continue `span`'s trace (W3C context in the input)."""
+        if span is not None and span.is_recording():
+            inp = dataclasses.replace(inp, trace_context=tuple(trace_context.inject(span).items()))
         try:
             stream = self._verifier.generate.remote(inp)
             first = await stream.__anext__()
@@ -185,19 +203,29 @@ class Ingress:
 
     async def _run(self, body: _Common, inp: GenerateInput, chat: bool):
         rid = inp.request_id
+        span = tracer.start_span("splitspec.ingress", attributes={
+            "splitspec.api": "chat.completions" if chat else "completions", "splitspec.request_id": rid,
+            "splitspec.stream": body.stream})
         try:
-            first, stream = await self._open(inp)
+            with trace.use_span(span, end_on_exit=False):
+                first, stream = await self._open(inp, span)
         except ApiError as exc:
+            span.set_attribute("splitspec.status", exc.status)
+            span.end()
             return exc.response()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids),
-                                     media_type="text/event-stream")
-        text, token_ids, final = [first.get("text", "")], list(first.get("token_ids", [])), first
-        async for event in stream:
-            text.append(event.get("text", ""))
-            token_ids.extend(event.get("token_ids", []))
-            final = event
+            return StreamingResponse(
+                _ending(span, self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids)),
+                media_type="text/event-stream")
+        try:
+            text, token_ids, final = [first.get("text", "")], list(first.get("token_ids", [])), first
+            async for event in stream:
+                text.append(event.get("text", ""))
+                token_ids.extend(event.get("token_ids", []))
+                final = event
+        finally:
+            span.end()
         out = self._full_response(rid, "".join(text), final, chat)
         if body.return_token_ids:
             out["choices"][0]["token_ids"] = token_ids
@@ -316,10 +344,15 @@ class Ingress:
     async def Generate(self, request: generate_pb2.GenerateRequest, grpc_context=None):
         """`splitspec.v1.Generate/Generate` through Serve's gRPC proxy."""
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
+        span = tracer.start_span("splitspec.ingress", attributes={"splitspec.api": "grpc.Generate",
+                                                                  "splitspec.request_id": rid})
         try:
-            inp = self._grpc_input(request, rid)
-            first, stream = await self._open(inp)
+            with trace.use_span(span, end_on_exit=False):
+                inp = self._grpc_input(request, rid)
+                first, stream = await self._open(inp, span)
         except ApiError as exc:
+            span.set_attribute("splitspec.status", exc.status)
+            span.end()
             if grpc_context is not None:
                 code = grpc.StatusCode.INVALID_ARGUMENT if exc.status == 400 else grpc.StatusCode.RESOURCE_EXHAUSTED
                 grpc_context.set_code(code)
@@ -327,6 +360,10 @@ class Ingress:
                 if exc.retry_after_s is not None:
                     grpc_context.set_trailing_metadata([("retry-after", str(max(1, math.ceil(exc.retry_after_s))))])
             raise
+        async for message in _ending(span, self._grpc_messages(rid, first, stream)):
+            yield message
+
+    async def _grpc_messages(self, rid: str, first: dict[str, Any], stream) -> AsyncIterator[Any]:
         event = first
         while True:
             message = generate_pb2.GenerateResponse(request_id=rid, token_ids=event.get("token_ids", []),

@@ -15,6 +15,7 @@ from verifier.models.loader import load_model_and_tokenizer, load_tokenizer  # n
 from verifier.models.tokenizer import Tokenizer
 from verifier.models.vocab import VocabFingerprint, incompatibility
 from verifier.controller import Controller
+from verifier.observer import EngineObserver
 
 #: Speculation method that means "no proposer".
 OFF = "off"
@@ -64,15 +65,15 @@ def verifier_threads(verifier: VerifierConfig) -> int | None:
 
 
 def engine_from_config(config: SplitspecConfig, model: LlamaModel, tokenizer: Tokenizer,
-                       proposers: Mapping[str, ProposalSource]) -> Engine:
+                       proposers: Mapping[str, ProposalSource], observer: EngineObserver | None = None) -> Engine:
     """The engine a verifier replica runs for `config`, drafting with `proposers` (method ->
-    source, in the config's order) under the configured controller policy. Policy
-    `goodput` profiles the step time here, before the first request."""
+    source, in the config's order) under the configured controller policy, reporting to
+    `observer` (metrics). Policy `goodput` profiles the step time here, before the first request."""
     v = config.verifier
     check_vocabularies(tokenizer, proposers)
     engine = Engine(model, tokenizer, EngineConfig(
         max_num_seqs=v.max_num_seqs, max_model_len=v.max_model_len, max_waiting=v.max_waiting,
-    ), dict(proposers), Controller(config.controller.settings(), tuple(proposers)))
+    ), dict(proposers), Controller(config.controller.settings(), tuple(proposers)), observer)
     if engine.controller.needs_step_time:
         engine.profile_step_time()
     return engine

@@ -9,7 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
-from cluster.config import SplitspecConfig
+from cluster.config import SplitspecConfig, TracingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -21,17 +21,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start_serve(host: str, http_port: int, grpc_port: int) -> tuple[int, int]:
-    """Start Serve's HTTP and gRPC proxies (ports 0 = pick free ones); return the ports."""
+def start_serve(host: str, http_port: int, grpc_port: int, tracing: TracingConfig | None = None) -> tuple[int, int]:
+    """Start Serve's HTTP and gRPC proxies (ports 0 = pick free ones), tracing as `tracing`
+    says (Ray processes need `cluster.tracing.tracing_env` too); return the ports."""
     from ray import serve
 
     from cluster.ingress import GENERATE_SERVICER
+    from cluster.tracing import serve_tracing_config
 
     http_port = http_port or free_port(host)
     grpc_port = grpc_port or free_port(host)
     serve.start(
         http_options={"host": host, "port": http_port},
         grpc_options={"port": grpc_port, "grpc_servicer_functions": [GENERATE_SERVICER]},
+        tracing_config=serve_tracing_config(tracing or TracingConfig()),
     )
     return http_port, grpc_port
 
@@ -61,15 +64,25 @@ def wait_healthy(url: str, timeout_s: float = 120.0) -> dict:
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s (last: {last!r})")
 
 
-def init_ray(address: str | None, num_cpus: int | None = None) -> None:
-    """Join `address`, or start a local cluster with this process as its owner."""
+def init_ray(address: str | None, num_cpus: int | None = None, metrics_port: int = 0,
+             env: dict[str, str] | None = None) -> int | None:
+    """Join `address`, or start a local cluster with this process as its owner, exporting
+    Ray metrics on `metrics_port` (0 = a free port). `env` reaches every Ray process of
+    this job (and, for a local cluster, the proxies Serve starts). Returns the local
+    cluster's metrics port (None when joining)."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    env = dict(env or {})
+    os.environ.update(env)  # a local cluster's processes inherit this environment
+    runtime_env = {"env_vars": env} if env else None
     if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
+        return None
+    metrics_port = metrics_port or free_port()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env,
+             _metrics_export_port=metrics_port)
+    return metrics_port
 
 
 def stop(app_name: str, owns_cluster: bool) -> None:

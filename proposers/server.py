@@ -14,11 +14,14 @@ from importlib import metadata
 import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry import trace
 
+from protos import trace_context
 from protos.proposal import Proposal, ProposalRequest, ProposalSource, hidden_states_from_proto
 from protos.splitspec.v1 import proposer_pb2, proposer_pb2_grpc
 
 logger = logging.getLogger(__name__)
+tracer = trace.get_tracer("splitspec.proposer")
 
 SERVICE_NAME = "splitspec.v1.Proposer"
 
@@ -62,6 +65,11 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                 self._last_seen[s.seq_id] = now
             if now >= self._next_sweep:
                 self._sweep(now)
+            # One server span per traced sequence, continuing the verifier's proposer-call span.
+            spans = {s.seq_id: tracer.start_span("splitspec.propose", context=parent, kind=trace.SpanKind.SERVER,
+                                                 attributes={"splitspec.method": self.info.method,
+                                                             "splitspec.k": s.k, "splitspec.base_len": s.base_len})
+                     for s in message.sequences if (parent := trace_context.extract(s.trace_context)) is not None}
             try:
                 requests = [
                     ProposalRequest(
@@ -83,6 +91,11 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                 self._source.release(seq_ids)
                 proposals = [Proposal(seq_id, np.zeros(0, np.int32), resync=True) for seq_id in seq_ids]
             drafts = [_draft_message(p) for p in proposals]
+            for p in proposals:
+                span = spans.get(p.seq_id)
+                if span is not None:
+                    span.set_attributes({"splitspec.num_drafts": len(p.draft_token_ids), "splitspec.resync": p.resync})
+                    span.end()
             yield proposer_pb2.ProposeResponse(round_id=message.round_id, sequences=drafts)
 
 

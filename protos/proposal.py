@@ -18,7 +18,7 @@ Example: context so far `[5, 6, 7]` synced; a round commits `[8, 9]`; the next r
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -40,6 +40,9 @@ class ProposalRequest:
     # with base_len 0 it is new_len - 1. The last token's state is computed by the round
     # being drafted for, so it arrives with the next round.
     hidden_states: object = None
+    # W3C Trace Context of this sequence's proposer call ({"traceparent": ...}) when its
+    # request is traced (`protos.trace_context`); empty otherwise.
+    trace_context: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,17 +31,23 @@ from typing import AsyncIterator, Mapping, Sequence as Seq
 
 import numpy as np
 import torch
+from opentelemetry import trace
 
+from protos import trace_context
 from protos.proposal import Proposal, ProposalRequest, ProposalSource
 from verifier.errors import InvalidRequestError, OverloadedError
 from verifier.models.llama import LlamaModel
 from verifier.controller import Controller, SequenceView, StepTimeModel
+from verifier.observer import EngineObserver
 from verifier.rejection_sampler import greedy_accept, rejection_sample
 from verifier.sampling import logits_to_probs
 from verifier.sampling_params import SamplingParams
 from verifier.sequence import FinishReason, RequestOutput, Sequence, SequenceStats
 
 logger = logging.getLogger(__name__)
+#: Spans per traced request: `splitspec.request`, one `splitspec.round` per verifier pass it
+#: takes part in, and under it one `splitspec.proposer_rpc` per proposer call.
+tracer = trace.get_tracer("splitspec.verifier")
 
 #: A request's `speculation.mode`: the controller decides, never, or a fixed k.
 SPECULATION_MODES = ("auto", "off", "on")
@@ -108,6 +114,14 @@ class _Work:
     reason: str = ""
     emitted: list[int] = dataclasses.field(default_factory=list)
     num_accepted: int = 0
+    #: This round's span (`splitspec.round`) and its proposer call's, when traced.
+    span: object = None
+    rpc_span: object = None
+
+    def open_span(self) -> None:
+        if self.seq.span is not None:
+            self.span = tracer.start_span("splitspec.round", context=trace.set_span_in_context(self.seq.span),
+                                          attributes={"splitspec.prefill": not self.seq.output_token_ids})
 
 
 def _draft_probs(probs, num_drafts: int, vocab: int) -> np.ndarray | None:
@@ -125,6 +139,11 @@ def _draft_probs(probs, num_drafts: int, vocab: int) -> np.ndarray | None:
     if q.shape[1] < vocab:
         q = np.pad(q, ((0, 0), (0, vocab - q.shape[1])))
     return q
+
+
+def _trace_parent(carrier: Mapping[str, str] | None):
+    """The context a W3C carrier continues; None (the current context) when there is none."""
+    return trace_context.extract(carrier) if carrier else None
 
 
 class Engine:
@@ -146,8 +165,11 @@ class Engine:
         config: EngineConfig | None = None,
         proposers: ProposalSource | Mapping[str, ProposalSource] | None = None,
         controller: Controller | None = None,
+        observer: EngineObserver | None = None,
     ) -> None:
         self.model = model
+        #: Receives step, round, proposer-call and request events (metrics); no-op by default.
+        self.observer = observer or EngineObserver()
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         if proposers is None:
@@ -211,12 +233,15 @@ class Engine:
         max_k: int | None = None,
         mode: str = "auto",
         method: str | None = None,
+        trace_context: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's output, one event per round that produced something.
 
         `mode`, `method`, `max_k` are the request's `speculation` object (see
         `verifier.controller`). Leaving the iteration early (client disconnect, `break`,
         cancellation) aborts the sequence and frees its KV slot before the next step.
+        `trace_context` (W3C, `protos.trace_context`) parents the request's span; without
+        it the span continues the current context.
         """
         self.validate(prompt_token_ids, params)
         self.validate_speculation(mode, method, max_k)
@@ -227,6 +252,10 @@ class Engine:
                 f"(limit {self.config.max_waiting})"
             )
         seq = self._new_sequence(list(prompt_token_ids), params, request_id, max_k, mode, method)
+        span = tracer.start_span("splitspec.request", context=_trace_parent(trace_context), attributes={
+            "splitspec.request_id": seq.request_id, "splitspec.num_prompt_tokens": len(prompt_token_ids),
+            "splitspec.max_tokens": params.max_tokens, "splitspec.speculation_mode": mode})
+        seq.span = span if span.is_recording() else None
         self._waiting.append(seq)
         self._ensure_loop()
         finished = False
@@ -388,7 +417,7 @@ class Engine:
                 self._fail_all()
 
     def _reap_aborted(self) -> None:
-        for seq in [s for s in self._running if s.aborted]:
+        for seq in [s for s in self._running + self._waiting if s.aborted]:
             self._finish(seq, FinishReason.ABORT)
         self._waiting = [s for s in self._waiting if not s.aborted]
 
@@ -411,12 +440,20 @@ class Engine:
         # Running from now on, so that a failing step reaches their clients too.
         self._running.extend(admitted)
         works = [_Work(s, list(s.prompt_token_ids), np.zeros(0, np.int32), None) for s in admitted]
+        for work in works:
+            work.open_span()
         works += await self._plan_and_propose(running, sum(len(w.input_token_ids) for w in works), len(works))
         seconds = await asyncio.get_running_loop().run_in_executor(self._worker, self._execute, works)
         self.stats.num_steps += 1
-        self.controller.observe_step(sum(len(w.input_token_ids) for w in works), len(works), seconds)
+        num_tokens = sum(len(w.input_token_ids) for w in works)
+        self.controller.observe_step(num_tokens, len(works), seconds)
+        emitted_before = self.stats.num_output_tokens
         for work in works:
             self._commit(work)
+        self.observer.on_step(num_tokens, len(works), seconds, self.stats.num_output_tokens - emitted_before)
+        cache = self.cache
+        self.observer.on_load(len(self._running), len(self._waiting), cache.num_used_slots, cache.num_slots,
+                              sum(cache.lens), cache.num_slots * cache.max_len)
 
     async def _plan_and_propose(self, running: list[Sequence], num_prefill_tokens: int,
                                 num_prefill_seqs: int) -> list[_Work]:
@@ -434,6 +471,7 @@ class Engine:
         by_method: dict[str, list[tuple[int, ProposalRequest]]] = {}
         for seq, d in zip(running, decisions):
             work = _Work(seq, [seq.output_token_ids[-1]], np.zeros(0, np.int32), None, d.method, d.reason)
+            work.open_span()
             works.append(work)
             if d.k == 0:
                 continue
@@ -451,6 +489,12 @@ class Engine:
                 # one before the last token (the last token's comes from this round's pass).
                 assert seq.num_hidden == seq.num_context_tokens - 1, (seq.num_hidden, seq.num_context_tokens)
                 hidden = seq.hidden[max(synced - 1, 0) : seq.num_hidden]
+            carrier = {}
+            if work.span is not None:
+                work.rpc_span = tracer.start_span(
+                    "splitspec.proposer_rpc", context=trace.set_span_in_context(work.span),
+                    kind=trace.SpanKind.CLIENT, attributes={"splitspec.method": d.method, "splitspec.k": k})
+                carrier = trace_context.inject(work.rpc_span)
             by_method.setdefault(d.method, []).append((len(works) - 1, ProposalRequest(
                 seq_id=seq.request_id,
                 base_len=synced,
@@ -458,6 +502,7 @@ class Engine:
                 k=k,
                 temperature=seq.params.temperature,
                 hidden_states=hidden,
+                trace_context=carrier,
             )))
             seq.synced_len.setdefault(d.method, 0)  # so that _finish releases it there
         if by_method:
@@ -468,21 +513,30 @@ class Engine:
                 if proposals is None:
                     for i, _ in reqs:
                         works[i].reason = "proposer_failed"
+            for work in works:
+                if work.rpc_span is not None:
+                    work.rpc_span.set_attributes({"splitspec.num_drafts": int(work.draft_token_ids.size),
+                                                  "splitspec.outcome": work.reason})
+                    work.rpc_span.end()
         return works
 
     async def _propose(self, method: str, requests: list[ProposalRequest]) -> list[Proposal] | None:
         """One method's drafts for this round, or None if its proposer failed (fail open)."""
         start = time.perf_counter()
+        ok = False
         try:
             proposals = await self.proposers[method].propose(requests)
             assert len(proposals) == len(requests), f"{len(proposals)=} {len(requests)=}"
+            ok = True
             return proposals
         except Exception:
             logger.warning("proposer %s failed; speculating 0 this round", method, exc_info=True)
             self.stats.num_proposer_failures += 1
             return None
         finally:
-            self.controller.observe_proposer(method, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.controller.observe_proposer(method, seconds)
+            self.observer.on_proposer_call(method, seconds, ok)
 
     def _clamp_k(self, seq: Sequence, k: int) -> int:
         # A round emits up to k + 1 tokens; drafting past max_tokens would be wasted work
@@ -563,9 +617,11 @@ class Engine:
         now = time.perf_counter()
         if is_prefill:
             seq.stats.prefill_s = now - seq.arrival_s
+            self.observer.on_first_token(seq.stats.prefill_s)
         else:
             seq.stats.rounds += 1
             self._count_round(seq.stats, k, work.num_accepted)
+            self.observer.on_round(work.method, k, work.num_accepted, work.reason)
             if k:
                 seq.stats.rounds_by_method[work.method] = seq.stats.rounds_by_method.get(work.method, 0) + 1
             else:
@@ -595,6 +651,11 @@ class Engine:
                 text.append(seq.detokenizer.finish())
         seq.stats.num_output_tokens = len(seq.output_token_ids)
         seq.stats.elapsed_s = now - seq.arrival_s
+        if work.span is not None:
+            work.span.set_attributes({"splitspec.method": work.method or "", "splitspec.k": k,
+                                      "splitspec.num_accepted": work.num_accepted, "splitspec.reason": work.reason,
+                                      "splitspec.num_emitted": len(new_tokens)})
+            work.span.end()
         self.stats.num_output_tokens += len(new_tokens)
         if finish is None:
             seq.outputs.put_nowait(RequestOutput(seq.request_id, new_tokens, "".join(text)))
@@ -616,6 +677,17 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
+        if reason is FinishReason.ABORT:
+            seq.stats.elapsed_s = time.perf_counter() - seq.arrival_s
+        self.observer.on_finish(seq.stats, reason)
+        if seq.span is not None:
+            st = seq.stats
+            seq.span.set_attributes({"splitspec.finish_reason": reason.value, "splitspec.num_output_tokens":
+                                     st.num_output_tokens, "splitspec.rounds": st.rounds, "splitspec.drafted": st.drafted,
+                                     "splitspec.accepted": st.accepted,
+                                     "splitspec.mean_acceptance_length": st.mean_acceptance_length})
+            seq.span.end()
+            seq.span = None
         if seq in self._running:
             self._running.remove(seq)
         if seq.slot is not None:

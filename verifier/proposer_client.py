@@ -101,7 +101,7 @@ class GrpcProposalSource:
 def _delta(r: ProposalRequest) -> proposer_pb2.SequenceDelta:
     delta = proposer_pb2.SequenceDelta(
         seq_id=r.seq_id, base_len=r.base_len, append_token_ids=np.asarray(r.append_token_ids).tolist(),
-        k=r.k, temperature=r.temperature,
+        k=r.k, temperature=r.temperature, trace_context=r.trace_context,
     )
     if r.hidden_states is not None:
         hidden_states_to_proto(r.hidden_states, delta.hidden_states)

@@ -106,6 +106,8 @@ class Sequence:
     #: positions, kept only when a proposer reads them (EAGLE).
     hidden: torch.Tensor | None = None
     num_hidden: int = 0
+    #: The request's recording OpenTelemetry span (`splitspec.request`), None when untraced.
+    span: object = None
 
     def add_hidden(self, rows: torch.Tensor) -> None:
         n = self.num_hidden + rows.shape[0]

@@ -47,6 +47,9 @@ class GenerateInput:
     speculation_mode: str = "auto"
     speculation_method: str | None = None
     speculation_max_k: int | None = None
+    #: W3C Trace Context of the caller's span ({"traceparent": ...}): the request's spans
+    #: continue that trace (`protos.trace_context`). Empty = the current context.
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
 class VerifierServer:
@@ -95,7 +98,8 @@ class VerifierServer:
             self.engine.validate_speculation(req.speculation_mode, req.speculation_method, req.speculation_max_k)
             params = self._params(req, len(prompt_ids))
             stream = self.engine.generate(prompt_ids, params, request_id=engine_id, max_k=req.speculation_max_k,
-                                          mode=req.speculation_mode, method=req.speculation_method)
+                                          mode=req.speculation_mode, method=req.speculation_method,
+                                          trace_context=dict(req.trace_context))
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     if not out.finished:

@@ -49,20 +49,29 @@ class HiddenStates(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
-    __slots__ = ("seq_id", "base_len", "append_token_ids", "k", "temperature", "hidden_states")
+    __slots__ = ("seq_id", "base_len", "append_token_ids", "k", "temperature", "hidden_states", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     base_len: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
     temperature: float
     hidden_states: HiddenStates
-    def __init__(self, seq_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., temperature: _Optional[float] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, seq_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., temperature: _Optional[float] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("round_id", "sequences", "released_seq_ids")
