@@ -259,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.models_fetch import add_parser as add_models_parser
 
     add_models_parser(sub)
+
+    from cluster.k8s import add_parser as add_k8s_parser
+
+    add_k8s_parser(sub)
     return parser
 
 

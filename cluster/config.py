@@ -58,6 +58,9 @@ class ResourcesConfig(_Strict):
 
     num_cpus: float = Field(1.0, ge=0, description="CPUs per replica; fractions share a core.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (the verifier's tensor-parallel size on GPUs).")
+    custom: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources per replica, e.g. {proposer_slot: 1} to keep "
+        "proposers on the worker group that declares that resource (k8s/).")
 
 
 class TargetConfig(_Strict):
@@ -152,9 +155,20 @@ class ApiConfig(_Strict):
     host: str = Field("127.0.0.1", description="Bind address of the HTTP and gRPC ingress.")
     http_port: int = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port (0 = any free port).")
     grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC Generate port (0 = any free port).")
+    proposer_ports: tuple[int, int] | None = Field(
+        None, description="[first, last] TCP ports proposer replicas bind their gRPC server to (the first free "
+        "one), so a NetworkPolicy can admit only verifier pods to them; null = any free port.")
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus port of the local Ray node's metrics (`splitspec serve` "
         "starting a cluster; 0 = any free port, printed at start). On KubeRay every pod exports on 8080.")
+
+
+    @field_validator("proposer_ports")
+    @classmethod
+    def _port_range(cls, ports: tuple[int, int] | None) -> tuple[int, int] | None:
+        if ports is not None and not 1 <= ports[0] <= ports[1] <= 65535:
+            raise ValueError(f"must be [first, last] with 1 <= first <= last <= 65535, got {list(ports)}")
+        return ports
 
 
 class TracingConfig(_Strict):

@@ -48,10 +48,11 @@ def served_model_name(config: SplitspecConfig) -> str:
 class ProposerReplica:
     """Hosts one proposal method behind `splitspec.v1.Proposer` (gRPC) in a Serve replica."""
 
-    def __init__(self, method: str, options: dict[str, Any]) -> None:
+    def __init__(self, method: str, options: dict[str, Any], ports: tuple[int, int] | None = None) -> None:
         from proposers.registry import build_proposer
 
         self.method = method
+        self._ports = ports
         self._source = build_proposer(method, options)
         context = serve.get_replica_context()
         self._deployment = context.deployment
@@ -70,11 +71,11 @@ class ProposerReplica:
             raise RuntimeError(f"proposer {method}: the gRPC server failed to start") from self._error
 
     async def _serve(self) -> None:
-        from proposers.server import ProposerServicer, start_server
+        from proposers.server import ProposerServicer
 
         try:
             max_k = int(getattr(getattr(self._source, "config", None), "max_k", 16))
-            server, port = await start_server(ProposerServicer(self._source, max_k), "0.0.0.0", 0)
+            server, port = await _start_in_range(ProposerServicer(self._source, max_k), self._ports)
             self.address = f"{ray.util.get_node_ip_address()}:{port}"
         except BaseException as exc:  # reported to the constructor
             self._error = exc
@@ -109,6 +110,20 @@ class ProposerReplica:
             self._directory.withdraw.remote(self._deployment, self._replica_id)
         except Exception:  # shutting down: the entry expires anyway
             pass
+
+
+async def _start_in_range(servicer, ports: tuple[int, int] | None):
+    """Start the proposer's gRPC server on the first free port of `ports` (any free port if None)."""
+    from proposers.server import start_server
+
+    if ports is None:
+        return await start_server(servicer, "0.0.0.0", 0)
+    for port in range(ports[0], ports[1] + 1):
+        try:
+            return await start_server(servicer, "0.0.0.0", port)
+        except (OSError, RuntimeError):  # taken (grpc raises RuntimeError on some versions)
+            continue
+    raise OSError(f"api.proposer_ports: every port in {list(ports)} is taken on this node")
 
 
 # ---------------------------------------------------------------------- verifier
@@ -206,7 +221,10 @@ def _scaling_options(replicas: int, autoscaling: AutoscalingConfig | None, custo
 
 
 def _actor_options(resources: ResourcesConfig) -> dict[str, Any]:
-    return {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
+    options: dict[str, Any] = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
+    if resources.custom:
+        options["resources"] = dict(resources.custom)
+    return options
 
 
 def build_app(config: SplitspecConfig):
@@ -230,7 +248,7 @@ def build_app(config: SplitspecConfig):
             graceful_shutdown_timeout_s=2.0,
             **_scaling_options(p.replicas, p.autoscaling, custom_policy=True),
         )
-        proposer_apps.append(deployment.bind(p.method, dict(p.options)))
+        proposer_apps.append(deployment.bind(p.method, dict(p.options), config.api.proposer_ports))
     v = config.verifier
     per_replica = v.max_num_seqs + v.max_waiting
     verifier = serve.deployment(VerifierReplica).options(

@@ -128,7 +128,8 @@ def _draft_message(p: Proposal) -> proposer_pb2.SequenceDraft:
 
 async def start_server(servicer: ProposerServicer, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server on host:port (0 = a free port); return it and the bound port."""
-    server = grpc.aio.server()
+    # No SO_REUSEPORT: a second replica on the node must not share (and split) a bound port.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     proposer_pb2_grpc.add_ProposerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
