@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Literal
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
@@ -36,7 +36,10 @@ GENERATE_SERVICER = "protos.splitspec.v1.generate_pb2_grpc.add_GenerateServicer_
 #: `splitspec.ingress`, one span per request, under Serve's proxy span when Serve traces.
 tracer = trace.get_tracer("splitspec.ingress")
 
-app = FastAPI(title="splitspec", description="OpenAI-compatible API with disaggregated speculative decoding")
+# FastAPI's own request spans are off: they would continue the client's traceparent beside
+# Serve's proxy span instead of under it (cluster/tracing.py has the span tree).
+app = FastAPI(title="splitspec", description="OpenAI-compatible API with disaggregated speculative decoding",
+              telemetry={"tracing": False})
 
 
 # ---------------------------------------------------------------------- request bodies
@@ -168,6 +171,17 @@ async def _ending(span, events: AsyncIterator[str]) -> AsyncIterator[str]:
         span.end()
 
 
+def _node_metrics_url() -> str | None:
+    """The Prometheus endpoint of the Ray node this process runs on, or None."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id and node.get("MetricsExportPort"):
+            return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    return None
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -290,6 +304,24 @@ class Ingress:
             return JSONResponse({"status": "unavailable", "detail": repr(exc)}, status_code=503)
         status = 200 if state["ready"] else 503
         return JSONResponse({"status": "ok" if state["ready"] else "starting", **state}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics(self):
+        """The `ray_splitspec_*` series of this node's Ray metrics exporter (Prometheus text).
+        On one machine that is every replica; on a cluster scrape each node's metrics port."""
+        import asyncio
+        import urllib.request
+
+        url = await asyncio.to_thread(_node_metrics_url)
+        if url is None:
+            return PlainTextResponse("# this node exports no Ray metrics\n", status_code=503)
+        try:
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        except OSError as exc:
+            return PlainTextResponse(f"# {url}: {exc}\n", status_code=503)
+        keep = [line for line in text.splitlines()
+                if line.startswith(("ray_splitspec_", "# HELP ray_splitspec_", "# TYPE ray_splitspec_"))]
+        return PlainTextResponse("\n".join(keep) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(self):

@@ -30,7 +30,7 @@ APP_BUILDER = "cluster.deployments:app_builder"
 def serve_config(config: SplitspecConfig, app_name: str = "splitspec") -> dict[str, Any]:
     """The `serveConfigV2` mapping (Ray's `ServeDeploySchema`) that runs `config`."""
     from cluster.ingress import GENERATE_SERVICER
-    from cluster.tracing import serve_tracing_config, tracing_env
+    from cluster.tracing import serve_tracing_config
 
     api = config.api
     app: dict[str, Any] = {
@@ -48,26 +48,39 @@ def serve_config(config: SplitspecConfig, app_name: str = "splitspec") -> dict[s
     }
     tracing = serve_tracing_config(config.tracing)
     if tracing is not None:
+        # Every process's span processors read the tracing section from the pods' environment
+        # (`render(..., patch=True)` sets it).
         out["tracing_config"] = tracing
-        # The replicas' span processors read the tracing section from here; Serve's proxies
-        # from the pods' environment (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT in k8s/base).
-        app["runtime_env"] = {"env_vars": tracing_env(config.tracing)}
     out["applications"] = [app]
     return out
 
 
-def render(config: SplitspecConfig, app_name: str = "splitspec", patch: bool = False) -> str:
+def render(config: SplitspecConfig, app_name: str = "splitspec", patch: bool = False,
+           worker_groups: int = 2) -> str:
     """`serve_config` as the YAML string KubeRay reads; with `patch`, a kustomize JSON patch
-    (RFC 6902) that sets the RayService's `spec.serveConfigV2` with it."""
+    (RFC 6902) for `k8s/base`'s RayService: it sets `spec.serveConfigV2` and, when the
+    config traces, the `env` of the head's and each of the `worker_groups` groups' first
+    container to `cluster.tracing.tracing_env` (Serve's proxies read only the environment)."""
+    from cluster.tracing import tracing_env
+
     text = yaml.safe_dump(serve_config(config, app_name), sort_keys=False)
     if not patch:
         return text
-    return yaml.dump([{"op": "add", "path": "/spec/serveConfigV2", "value": text}], Dumper=_BlockDumper,
-                     sort_keys=False)
+    ops: list[dict[str, Any]] = [{"op": "add", "path": "/spec/serveConfigV2", "value": text}]
+    env = [{"name": k, "value": v} for k, v in tracing_env(config.tracing).items()]
+    if env:
+        groups = ["headGroupSpec"] + [f"workerGroupSpecs/{i}" for i in range(worker_groups)]
+        ops += [{"op": "add", "path": f"/spec/rayClusterConfig/{g}/template/spec/containers/0/env", "value": env}
+                for g in groups]
+    return yaml.dump(ops, Dumper=_BlockDumper, sort_keys=False)
 
 
 class _BlockDumper(yaml.SafeDumper):
-    """Writes multi-line strings as `|` blocks, as people write serveConfigV2 by hand."""
+    """Writes multi-line strings as `|` blocks, as people write serveConfigV2 by hand, and
+    repeated values in full (no YAML anchors)."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
 
 
 _BlockDumper.add_representer(str, lambda dumper, s: dumper.represent_scalar(
@@ -75,7 +88,7 @@ _BlockDumper.add_representer(str, lambda dumper, s: dumper.represent_scalar(
 
 
 def _render(args: argparse.Namespace) -> int:
-    print(render(load_config(args.config), args.app_name, args.patch), end="")
+    print(render(load_config(args.config), args.app_name, args.patch, args.worker_groups), end="")
     return 0
 
 
@@ -86,5 +99,8 @@ def add_parser(sub) -> None:
     r.add_argument("config", help="splitspec YAML config (the one `splitspec serve` takes)")
     r.add_argument("--app-name", default="splitspec", help="Serve application name")
     r.add_argument("--patch", action="store_true",
-                   help="print a kustomize JSON patch that sets spec.serveConfigV2 (k8s/overlays/*/serve-config.yaml)")
+                   help="print a kustomize JSON patch that sets spec.serveConfigV2, and the pods' tracing "
+                        "environment when the config traces (k8s/overlays/*/serve-config.yaml)")
+    r.add_argument("--worker-groups", type=int, default=2,
+                   help="worker groups of the RayService the patch applies to (k8s/base has 2)")
     r.set_defaults(func=_render)

@@ -6,7 +6,7 @@ Serve traces each request from its proxy (HTTP or gRPC, continuing an incoming W
 process it traces. `span_processors` is that function: one `BatchSpanProcessor` (never a
 synchronous one) around the exporter the YAML's `tracing` section names. The section
 reaches every Ray process as the `SPLITSPEC_TRACING` environment variable (JSON), set by
-`splitspec serve` or by the pod template on Kubernetes (`splitspec k8s render`).
+`splitspec serve` or by the pod templates on Kubernetes (`splitspec k8s render --patch`).
 
 The spans of one request, each the parent of the next:
 
@@ -32,10 +32,18 @@ EXPORTER_IMPORT_PATH = "cluster.tracing:span_processors"
 
 
 def tracing_env(config: TracingConfig) -> dict[str, str]:
-    """Environment variables every Ray process needs for `config` (empty when tracing is off)."""
+    """Environment variables every Ray process needs for `config` (empty when tracing is off).
+
+    Serve's proxies read their tracing settings only from Serve's own variables (Ray 2.60
+    does not hand them `tracing_config`), so those are set too."""
     if config.exporter == "none":
         return {}
-    return {ENV: config.model_dump_json(), "OTEL_SERVICE_NAME": config.service_name}
+    return {
+        ENV: config.model_dump_json(),
+        "OTEL_SERVICE_NAME": config.service_name,
+        "RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH": EXPORTER_IMPORT_PATH,
+        "RAY_SERVE_TRACING_SAMPLING_RATIO": repr(config.sampling_ratio),
+    }
 
 
 def serve_tracing_config(config: TracingConfig) -> dict | None:

@@ -111,3 +111,15 @@ def test_counters_after_traffic_match_the_engine(main_app, metrics_url):
         pytest.approx(1 + engine["num_accepted"] / engine["num_rounds_with_drafts"], abs=1e-9)
     assert total(after, "ray_splitspec_running_seqs") == 0
     assert total(after, "ray_splitspec_kv_cache_usage_ratio") == 0
+
+
+def test_ingress_metrics_route_serves_the_splitspec_series(main_app):
+    """GET /metrics on the HTTP port: this node's ray_splitspec_* series in Prometheus text."""
+    import httpx
+
+    r = httpx.get(f"{main_app.http}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    lines = r.text.splitlines()
+    assert lines and all("ray_splitspec_" in line for line in lines)
+    assert any(line.startswith("# TYPE ray_splitspec_draft_tokens_total counter") for line in lines)
+    assert re.search(r'^ray_splitspec_rounds_total\{[^}]*application="main"', r.text, re.M)

@@ -6,9 +6,11 @@ decoding, which tests/verifier/test_exactness.py checks against HF transformers.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import time
 
@@ -452,22 +454,98 @@ def _alive(pid: int) -> bool:
         return False
 
 
+class OtlpCollector:
+    """A minimal OTLP/HTTP trace collector on a free loopback port: decodes every
+    `ExportTraceServiceRequest` POSTed to /v1/traces into plain span dicts."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+        self.spans: list[dict] = []
+        collector = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+                for rs in request.resource_spans:
+                    service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
+                    for ss in rs.scope_spans:
+                        for sp in ss.spans:
+                            collector.spans.append({
+                                "trace_id": sp.trace_id.hex(), "span_id": sp.span_id.hex(),
+                                "parent": sp.parent_span_id.hex() or None, "name": sp.name, "service": service,
+                            })
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _check_traces(spans: list[dict], trace_ids: list[str]) -> None:
+    """One trace per request: Serve's proxy span at the root, then ingress -> request ->
+    rounds -> proposer calls (verifier side) -> proposer server spans, by parent links."""
+    by_id = {s["span_id"]: s for s in spans}
+    for trace_id in trace_ids:
+        mine = [s for s in spans if s["trace_id"] == trace_id]
+        names = collections.Counter(s["name"] for s in mine)
+        assert names["splitspec.ingress"] == 1 and names["splitspec.request"] == 1, names
+        assert names["splitspec.proposer_rpc"] >= 1 and names["splitspec.propose"] == names["splitspec.proposer_rpc"], names
+        assert all(s["service"] == "splitspec" for s in mine)
+
+        def parent(s):
+            assert s["parent"] in by_id, f"{s['name']}: parent {s['parent']} was not exported"
+            return by_id[s["parent"]]
+
+        (ingress,) = [s for s in mine if s["name"] == "splitspec.ingress"]
+        chain, node = [], ingress
+        while node["parent"] is not None and node["parent"] in by_id:
+            node = by_id[node["parent"]]
+            chain.append(node["name"])
+        assert any(n.startswith("proxy_") for n in chain), f"ingress is not under Serve's proxy span: {chain}"
+        (request,) = [s for s in mine if s["name"] == "splitspec.request"]
+        assert parent(request) is ingress
+        assert all(parent(s) is request for s in mine if s["name"] == "splitspec.round")
+        assert all(parent(s)["name"] == "splitspec.round" for s in mine if s["name"] == "splitspec.proposer_rpc")
+        assert all(parent(s)["name"] == "splitspec.proposer_rpc" for s in mine if s["name"] == "splitspec.propose")
+
+
 @pytest.mark.slow
-def test_splitspec_serve_starts_answers_and_stops_on_sigterm(tmp_path):
-    """`splitspec serve CONFIG` on its own Ray cluster: prints the URLs, serves, and on
-    SIGTERM stops its application and its Ray processes and exits 0."""
+def test_splitspec_serve_starts_answers_traces_and_stops_on_sigterm(tmp_path):
+    """`splitspec serve CONFIG` on its own Ray cluster: prints the URLs, serves, exports
+    Ray metrics and OTLP/HTTP traces (Serve's tracing, our batch span processors) to a real
+    collector, and on SIGTERM stops its application and its Ray processes and exits 0."""
     import subprocess
     import sys
     import tempfile
     import threading
 
+    collector = OtlpCollector()
     config = tmp_path / "serve.yaml"
     config.write_text(
         "proposers:\n  - {method: ngram, resources: {num_cpus: 0.25}}\n"
-        "verifier: {max_num_seqs: 2, max_model_len: 512, num_threads: 2, resources: {num_cpus: 0.5}}\n"
+        # A generous proposer deadline: the first round opens the proposer stream.
+        "verifier: {max_num_seqs: 2, max_model_len: 512, num_threads: 2, proposer_deadline_ms: 1000,"
+        " resources: {num_cpus: 0.5}}\n"
         "api: {host: 127.0.0.1, http_port: 0, grpc_port: 0}\n"
+        f"tracing: {{exporter: otlp_http, endpoint: '{collector.url}', export_delay_ms: 200}}\n"
     )
-    env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-cli-", dir=tempfile.gettempdir()))
+    env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-cli-", dir=tempfile.gettempdir()),
+               RAY_metrics_report_interval_ms="500")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(config)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -484,11 +562,27 @@ def test_splitspec_serve_starts_answers_and_stops_on_sigterm(tmp_path):
     try:
         assert ready.wait(240), "".join(lines[-30:])
         health = next(line.split()[1] for line in lines if line.strip().startswith("health"))
+        metrics = next(line.split()[1] for line in lines if line.strip().startswith("metrics"))
         assert httpx.get(health, timeout=10).status_code == 200
         base = health.rsplit("/health", 1)[0] + "/v1"
-        r = httpx.post(f"{base}/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+        # The first request continues the caller's W3C trace; the second starts its own.
+        caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+        traceparent = f"00-{caller_trace}-00f067aa0ba902b7-01"
+        for headers in ({"traceparent": traceparent}, {}):
+            r = httpx.post(f"{base}/chat/completions", timeout=120, headers=headers, json={
+                "messages": [{"role": "user", "content": "Repeat: a b c a b c a b c"}], "max_tokens": 8,
+                "temperature": 0, "speculation": {"mode": "on", "max_k": 2}})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8
+        _wait_for(lambda: sum(s["name"] == "splitspec.ingress" for s in collector.spans) == 2
+                  and len({s["trace_id"] for s in collector.spans if s["name"] == "splitspec.propose"}) == 2,
+                  60, "both requests' spans to reach the collector")
+        time.sleep(1.0)  # Serve's proxy span ends after the response: one more export
+        ingress_traces = [s["trace_id"] for s in collector.spans if s["name"] == "splitspec.ingress"]
+        assert caller_trace in ingress_traces
+        _check_traces(collector.spans, ingress_traces)
+        scraped = httpx.get(metrics, timeout=10).text
+        assert re.search(r'^ray_splitspec_rounds_total\{[^}]*application="splitspec"[^}]*\} [1-9]', scraped, re.M)
+
         started = _descendants(proc.pid)  # Ray's GCS, raylet, workers, ...
         assert len(started) >= 3
         proc.send_signal(signal.SIGTERM)
@@ -498,6 +592,7 @@ def test_splitspec_serve_starts_answers_and_stops_on_sigterm(tmp_path):
         with pytest.raises(httpx.TransportError):
             httpx.get(health, timeout=5)
     finally:
+        collector.close()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started
 

@@ -143,11 +143,20 @@ def test_serve_config_is_the_rendered_config(overlay):
     assert SplitspecConfig.model_validate(app.args) == config
     assert serve_config.http_options.port == config.api.http_port
     assert serve_config.grpc_options.port == config.api.grpc_port
-    if config.tracing.exporter != "none":
-        assert serve_config.tracing_config.enabled
-        assert serve_config.tracing_config.exporter_import_path == "cluster.tracing:span_processors"
-        env = app.runtime_env["env_vars"]
+    containers = [rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
+        g["template"]["spec"]["containers"][0] for g in _groups(rayservice).values()]
+    if config.tracing.exporter == "none":
+        assert serve_config.tracing_config is None or not serve_config.tracing_config.enabled
+        assert all("env" not in c for c in containers)
+        return
+    assert serve_config.tracing_config.enabled
+    assert serve_config.tracing_config.exporter_import_path == "cluster.tracing:span_processors"
+    assert serve_config.tracing_config.sampling_ratio == config.tracing.sampling_ratio
+    for c in containers:  # every Ray process, Serve's proxies included, reads the environment
+        env = {e["name"]: e["value"] for e in c["env"]}
         assert type(config.tracing).model_validate_json(env["SPLITSPEC_TRACING"]) == config.tracing
+        assert env["RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH"] == "cluster.tracing:span_processors"
+        assert float(env["RAY_SERVE_TRACING_SAMPLING_RATIO"]) == config.tracing.sampling_ratio
 
 
 def test_cluster_matches_the_config(overlay):
@@ -201,8 +210,11 @@ def test_render_cli_prints_the_patch(capsys):
     assert main(["k8s", "render", str(path), "--patch"]) == 0
     printed = capsys.readouterr().out
     assert printed == (K8S / "overlays" / "prod-gpu" / "serve-config.yaml").read_text()
-    (op,) = yaml.safe_load(printed)
+    op, *env_ops = yaml.safe_load(printed)
     assert op["op"] == "add" and op["path"] == "/spec/serveConfigV2" and op["value"] == render(load_config(path))
+    assert [o["path"].split("/template")[0] for o in env_ops] == [
+        "/spec/rayClusterConfig/headGroupSpec", "/spec/rayClusterConfig/workerGroupSpecs/0",
+        "/spec/rayClusterConfig/workerGroupSpecs/1"]
     assert main(["k8s", "render", str(path)]) == 0
     assert capsys.readouterr().out == render(load_config(path))
 
