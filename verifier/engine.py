@@ -9,7 +9,9 @@ Each step (one verifier forward pass):
      sequence, `[last, d1..dk]` for a running one;
   4. accept (greedy match or rejection sampling), emit accepted + 1 tokens per sequence,
      roll the KV cache back past the rejected drafts, stream the text out;
-  5. tell the controller what was accepted, how long the pass and the proposers took.
+  5. tell the controller what was accepted, how long the pass and the proposers took, and
+     the observer (metrics, `verifier.observer`) the same; traced requests get spans
+     (`verifier.tracing`).
 Prefill is the k = 0 case of a round whose input is the prompt, so one code path serves both.
 
 The forward pass and acceptance run in a dedicated worker thread so the event
@@ -31,9 +33,7 @@ from typing import AsyncIterator, Mapping, Sequence as Seq
 
 import numpy as np
 import torch
-from opentelemetry import trace
 
-from protos import trace_context
 from protos.proposal import Proposal, ProposalRequest, ProposalSource
 from verifier.errors import InvalidRequestError, OverloadedError
 from verifier.models.llama import LlamaModel
@@ -43,11 +43,9 @@ from verifier.rejection_sampler import greedy_accept, rejection_sample
 from verifier.sampling import logits_to_probs
 from verifier.sampling_params import SamplingParams
 from verifier.sequence import FinishReason, RequestOutput, Sequence, SequenceStats
+from verifier import tracing
 
 logger = logging.getLogger(__name__)
-#: Spans per traced request: `splitspec.request`, one `splitspec.round` per verifier pass it
-#: takes part in, and under it one `splitspec.proposer_rpc` per proposer call.
-tracer = trace.get_tracer("splitspec.verifier")
 
 #: A request's `speculation.mode`: the controller decides, never, or a fixed k.
 SPECULATION_MODES = ("auto", "off", "on")
@@ -114,14 +112,12 @@ class _Work:
     reason: str = ""
     emitted: list[int] = dataclasses.field(default_factory=list)
     num_accepted: int = 0
-    #: This round's span (`splitspec.round`) and its proposer call's, when traced.
+    #: This round's span and its proposer call's, when the request is traced (`verifier.tracing`).
     span: object = None
     rpc_span: object = None
 
-    def open_span(self) -> None:
-        if self.seq.span is not None:
-            self.span = tracer.start_span("splitspec.round", context=trace.set_span_in_context(self.seq.span),
-                                          attributes={"splitspec.prefill": not self.seq.output_token_ids})
+    def __post_init__(self) -> None:
+        self.span = tracing.start_round(self.seq.span, prefill=not self.seq.output_token_ids)
 
 
 def _draft_probs(probs, num_drafts: int, vocab: int) -> np.ndarray | None:
@@ -139,11 +135,6 @@ def _draft_probs(probs, num_drafts: int, vocab: int) -> np.ndarray | None:
     if q.shape[1] < vocab:
         q = np.pad(q, ((0, 0), (0, vocab - q.shape[1])))
     return q
-
-
-def _trace_parent(carrier: Mapping[str, str] | None):
-    """The context a W3C carrier continues; None (the current context) when there is none."""
-    return trace_context.extract(carrier) if carrier else None
 
 
 class Engine:
@@ -252,10 +243,7 @@ class Engine:
                 f"(limit {self.config.max_waiting})"
             )
         seq = self._new_sequence(list(prompt_token_ids), params, request_id, max_k, mode, method)
-        span = tracer.start_span("splitspec.request", context=_trace_parent(trace_context), attributes={
-            "splitspec.request_id": seq.request_id, "splitspec.num_prompt_tokens": len(prompt_token_ids),
-            "splitspec.max_tokens": params.max_tokens, "splitspec.speculation_mode": mode})
-        seq.span = span if span.is_recording() else None
+        seq.span = tracing.start_request(seq.request_id, len(prompt_token_ids), params.max_tokens, mode, trace_context)
         self._waiting.append(seq)
         self._ensure_loop()
         finished = False
@@ -440,8 +428,6 @@ class Engine:
         # Running from now on, so that a failing step reaches their clients too.
         self._running.extend(admitted)
         works = [_Work(s, list(s.prompt_token_ids), np.zeros(0, np.int32), None) for s in admitted]
-        for work in works:
-            work.open_span()
         works += await self._plan_and_propose(running, sum(len(w.input_token_ids) for w in works), len(works))
         seconds = await asyncio.get_running_loop().run_in_executor(self._worker, self._execute, works)
         self.stats.num_steps += 1
@@ -471,7 +457,6 @@ class Engine:
         by_method: dict[str, list[tuple[int, ProposalRequest]]] = {}
         for seq, d in zip(running, decisions):
             work = _Work(seq, [seq.output_token_ids[-1]], np.zeros(0, np.int32), None, d.method, d.reason)
-            work.open_span()
             works.append(work)
             if d.k == 0:
                 continue
@@ -489,12 +474,7 @@ class Engine:
                 # one before the last token (the last token's comes from this round's pass).
                 assert seq.num_hidden == seq.num_context_tokens - 1, (seq.num_hidden, seq.num_context_tokens)
                 hidden = seq.hidden[max(synced - 1, 0) : seq.num_hidden]
-            carrier = {}
-            if work.span is not None:
-                work.rpc_span = tracer.start_span(
-                    "splitspec.proposer_rpc", context=trace.set_span_in_context(work.span),
-                    kind=trace.SpanKind.CLIENT, attributes={"splitspec.method": d.method, "splitspec.k": k})
-                carrier = trace_context.inject(work.rpc_span)
+            work.rpc_span, carrier = tracing.start_proposer_call(work.span, d.method, k)
             by_method.setdefault(d.method, []).append((len(works) - 1, ProposalRequest(
                 seq_id=seq.request_id,
                 base_len=synced,
@@ -515,9 +495,7 @@ class Engine:
                         works[i].reason = "proposer_failed"
             for work in works:
                 if work.rpc_span is not None:
-                    work.rpc_span.set_attributes({"splitspec.num_drafts": int(work.draft_token_ids.size),
-                                                  "splitspec.outcome": work.reason})
-                    work.rpc_span.end()
+                    tracing.end_proposer_call(work.rpc_span, int(work.draft_token_ids.size), work.reason)
         return works
 
     async def _propose(self, method: str, requests: list[ProposalRequest]) -> list[Proposal] | None:
@@ -652,10 +630,7 @@ class Engine:
         seq.stats.num_output_tokens = len(seq.output_token_ids)
         seq.stats.elapsed_s = now - seq.arrival_s
         if work.span is not None:
-            work.span.set_attributes({"splitspec.method": work.method or "", "splitspec.k": k,
-                                      "splitspec.num_accepted": work.num_accepted, "splitspec.reason": work.reason,
-                                      "splitspec.num_emitted": len(new_tokens)})
-            work.span.end()
+            tracing.end_round(work.span, work.method, k, work.num_accepted, work.reason, len(new_tokens))
         self.stats.num_output_tokens += len(new_tokens)
         if finish is None:
             seq.outputs.put_nowait(RequestOutput(seq.request_id, new_tokens, "".join(text)))
@@ -681,12 +656,7 @@ class Engine:
             seq.stats.elapsed_s = time.perf_counter() - seq.arrival_s
         self.observer.on_finish(seq.stats, reason)
         if seq.span is not None:
-            st = seq.stats
-            seq.span.set_attributes({"splitspec.finish_reason": reason.value, "splitspec.num_output_tokens":
-                                     st.num_output_tokens, "splitspec.rounds": st.rounds, "splitspec.drafted": st.drafted,
-                                     "splitspec.accepted": st.accepted,
-                                     "splitspec.mean_acceptance_length": st.mean_acceptance_length})
-            seq.span.end()
+            tracing.end_request(seq.span, seq.stats, reason)
             seq.span = None
         if seq in self._running:
             self._running.remove(seq)

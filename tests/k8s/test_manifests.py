@@ -1,9 +1,12 @@
 """Every Kubernetes manifest renders with kustomize and validates offline.
 
 - Plain kinds: the `kubernetes-validate` package (the Kubernetes OpenAPI schemas), strict.
-- `RayService`: KubeRay's CRD schema (`../shared/schemas/kuberay/`, copied into the test as
-  data) with jsonschema, strict like `kubectl apply --validate=strict` (unknown fields are
-  errors), `x-kubernetes-int-or-string` as integer-or-string.
+- `RayService`: KubeRay's CRD schema with jsonschema, strict like `kubectl apply
+  --validate=strict` (unknown fields are errors), `x-kubernetes-int-or-string` as
+  integer-or-string. The schema is the `v1` `openAPIV3Schema` of KubeRay's
+  `ray.io_rayservices.yaml` (ray-operator/config/crd/bases, commit feeaf72f, Apache-2.0),
+  kept as gzipped JSON in `data/`; where the workspace's `shared/schemas/kuberay/` copy is
+  present, a test checks the two are the same.
 - `serveConfigV2`: Ray's own `ServeDeploySchema`, and equal to `splitspec k8s render` of the
   overlay's config (drift), whose application args validate back into that config.
 - The same validators reject a manifest with a wrong type, so these checks can fail.
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import pathlib
 import re
@@ -29,7 +33,8 @@ from cluster.metrics import METRICS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-CRD = ROOT.parent / "shared" / "schemas" / "kuberay" / "ray.io_rayservices.yaml"
+SHARED_CRD = ROOT.parent / "shared" / "schemas" / "kuberay" / "ray.io_rayservices.yaml"
+SCHEMA = pathlib.Path(__file__).parent / "data" / "rayservice-v1.openapi.json.gz"
 KUBERNETES_VERSION = "1.30"
 OVERLAYS = {"dev-cpu": K8S / "configs" / "dev-cpu.yaml", "prod-gpu": K8S / "configs" / "prod-gpu.yaml"}
 
@@ -66,13 +71,21 @@ def _strict(node):
     return node
 
 
+def _schema() -> dict:
+    return json.loads(gzip.decompress(SCHEMA.read_bytes()))
+
+
 @pytest.fixture(scope="module")
 def rayservice_schema():
-    if not CRD.is_file():
-        pytest.fail(f"the KubeRay CRD schema is missing: {CRD}")
-    crd = yaml.safe_load(CRD.read_text())
+    return _strict(_schema())
+
+
+def test_the_kept_crd_schema_is_kuberays():
+    if not SHARED_CRD.is_file():
+        pytest.skip("the workspace's shared/schemas/kuberay/ is not here")
+    crd = yaml.safe_load(SHARED_CRD.read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return _strict(version["schema"]["openAPIV3Schema"])
+    assert version["schema"]["openAPIV3Schema"] == _schema()
 
 
 def validate(doc: dict, rayservice_schema) -> None:

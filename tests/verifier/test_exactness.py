@@ -2,9 +2,11 @@
 
 References: (1) HF transformers' `generate` (its own Llama implementation) on the same
 GGUF weights — independent of our model code; (2) our engine with speculation off at
-batch 1. Every speculative configuration (k = 1, 4, 8; batch 1 and batch 8 with mixed
-prompt lengths 36-132 tokens) must equal both, on 20 prompts (code edits, summaries,
-chat). Runs in float32: bf16 verification and decode steps round differently.
+batch 1. Every speculative configuration (k = 1, 4, 8 at batch 8 with mixed prompt
+lengths 36-132 tokens, and k = 4 at batch 1) must equal both, on 20 prompts (code edits,
+summaries, chat). Runs in float32: bf16 verification and decode steps round differently.
+(k = 1 and 8 at batch 1 were dropped to keep the suite near 25 minutes: batch 1 runs the
+same per-sequence code as batch 8, one sequence at a time, at ~60 s a configuration.)
 """
 
 from __future__ import annotations
@@ -54,8 +56,7 @@ def test_plain_decoding_equals_hf_generate(plain_greedy, hf_greedy):
         assert ours == ref, f"prompt {i}: ours {ours} != HF {ref}"
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize(("k", "batch"), [(1, 8), (4, 1), (4, 8), (8, 8)])
 def test_ngram_speculation_is_exact(k, batch, model, tokenizer, exactness_prompts, plain_greedy, hf_greedy):
     proposer = NgramProposer()
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=batch, max_model_len=512), proposer,
