@@ -90,10 +90,10 @@ def hidden_states_from_proto(message):
     """The bfloat16 tensor of a `HiddenStates` message, or None when it is empty.
 
     Raises `ValueError` when the bytes do not match the shape."""
+    if not message.shape:  # before importing torch: an n-gram replica never needs it (~2 s)
+        return None
     import torch
 
-    if not message.shape:
-        return None
     shape = tuple(message.shape)
     if len(shape) != 2 or shape[0] * shape[1] * 2 != len(message.data):
         raise ValueError(f"hidden_states: {len(message.data)} bytes do not hold bfloat16 of shape {list(shape)}")
