@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -61,7 +62,7 @@ def serve_cluster(tmp_path_factory):
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     # Short socket paths: Ray's temp dir must stay well under the 107-byte AF_UNIX limit.
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-", dir=tempfile.gettempdir())
+    ray_tmp = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-", dir=tempfile.gettempdir())
     # Metrics reach the node's exporter every 0.5 s instead of 10 s (the metrics test waits on it).
     os.environ["RAY_metrics_report_interval_ms"] = "500"
     METRICS["port"] = free_port()
@@ -74,6 +75,7 @@ def serve_cluster(tmp_path_factory):
             serve.shutdown()
         finally:
             ray.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)  # sockets, logs, spilled objects of this session
 
 
 @pytest.fixture(scope="session")

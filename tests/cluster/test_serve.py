@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -544,7 +545,8 @@ def test_splitspec_serve_starts_answers_traces_and_stops_on_sigterm(tmp_path):
         "api: {host: 127.0.0.1, http_port: 0, grpc_port: 0}\n"
         f"tracing: {{exporter: otlp_http, endpoint: '{collector.url}', export_delay_ms: 200}}\n"
     )
-    env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-cli-", dir=tempfile.gettempdir()),
+    ray_tmp = tempfile.mkdtemp(prefix="ray-cli-", dir=tempfile.gettempdir())
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp,
                RAY_metrics_report_interval_ms="500")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(config)], env=env, text=True,
@@ -599,6 +601,8 @@ def test_splitspec_serve_starts_answers_traces_and_stops_on_sigterm(tmp_path):
         collector.close()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started
+            proc.wait(timeout=30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.mark.parametrize("method", ["draft", "eagle"])
