@@ -195,6 +195,7 @@ class Ingress:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.created = int(time.time())
+        self._metrics_url: str | None = None
 
     # ------------------------------------------------------------------ helpers
     def _check_model(self, model: str | None) -> None:
@@ -312,7 +313,9 @@ class Ingress:
         import asyncio
         import urllib.request
 
-        url = await asyncio.to_thread(_node_metrics_url)
+        if self._metrics_url is None:  # fixed for this process: one GCS lookup
+            self._metrics_url = await asyncio.to_thread(_node_metrics_url)
+        url = self._metrics_url
         if url is None:
             return PlainTextResponse("# this node exports no Ray metrics\n", status_code=503)
         try:

@@ -92,12 +92,20 @@ class RayEngineMetrics(EngineObserver):
                 metric = Histogram(name, description=description, boundaries=list(kind), tag_keys=keys)
             metric.set_default_tags({"application": application})
             self._m[name.removeprefix("splitspec_")] = metric
+        # Tag dicts built once per method (and position), not per call on the round path.
         self._tags: dict[str | None, dict[str, str]] = {}
+        self._position_tags: dict[tuple[str | None, int], dict[str, str]] = {}
 
     def _method(self, method: str | None) -> dict[str, str]:
         tags = self._tags.get(method)
         if tags is None:
             tags = self._tags[method] = {"method": method or "none"}
+        return tags
+
+    def _position(self, method: str | None, i: int) -> dict[str, str]:
+        tags = self._position_tags.get((method, i))
+        if tags is None:
+            tags = self._position_tags[(method, i)] = {**self._method(method), "position": str(i)}
         return tags
 
     def on_step(self, num_tokens: int, num_seqs: int, seconds: float, num_output_tokens: int) -> None:
@@ -124,7 +132,7 @@ class RayEngineMetrics(EngineObserver):
             self._m["accepted_tokens"].inc(num_accepted, tags=tags)
         per_position = self._m["accepted_tokens_per_position"]
         for i in range(num_accepted):
-            per_position.inc(tags={**tags, "position": str(i)})
+            per_position.inc(tags=self._position(method, i))
 
     def on_proposer_call(self, method: str, seconds: float, ok: bool) -> None:
         tags = self._method(method)
