@@ -107,6 +107,8 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
         elif mode == "auto":
             engines[mode] = Engine(model, tokenizer, config, proposers,
                                    Controller(ControllerSettings(policy="goodput", max_k=8), tuple(proposers)))
+            # Before the clock starts, as a verifier replica does when it starts (about 6 s).
+            engines[mode].profile_step_time()
         else:
             method, k = mode.split(":")
             engines[mode] = Engine(model, tokenizer, config, {method: proposers[method]},

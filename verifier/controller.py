@@ -25,12 +25,31 @@ every prefix and keeps the best: exact for a given method per sequence, whatever
 Worked example: one sequence, T(n) = 20 ms + 0.5 ms * n, L = 1 ms. k = 1 pays when
 (1 + alpha(1)) / (T(2) + L) > 1 / T(1), i.e. alpha(1) > (0.5 + 1) / 20.5 = 0.073.
 
+Cheap methods are asked first and trimmed after. Weighing a draft by p_i before knowing
+whether it comes spreads its cost over the step of T: on a CPU verifier a pass of 2-16
+tokens costs the same (rows padded to 16), so a draft that comes one round in ten is worth
+verifying in full, yet T(1 + 0.1 k) makes it look expensive. So a method whose round trip
+is at most `shadow_latency_share` of T(1) (n-gram lookup) is asked for the whole cap
+whenever drafting pays for the sequence on its own given a draft; once the drafts are in,
+`trim` shares the pass out again by the same maximisation with p = 1 for the sequences that
+got drafts (and their true counts), and cuts the rest. Costly methods are sized in `plan`,
+where asking for fewer drafts saves proposer time, and trimmed the same way.
+
 Policies (`ControllerSettings.policy`):
 - `off`: never speculate (a request's `mode: on` still does);
 - `static`: k = `k` every round (vLLM's `num_speculative_tokens`);
 - `batch_table`: k by batch size, e.g. ((1, 4), (8, 2), (32, 0)): batches of 1-7 get 4,
   8-31 get 2, 32 and up get 0 (vLLM / TensorRT-LLM style schedules);
 - `goodput` (default): the maximisation above, with hysteresis and probes.
+
+Shadow drafts (`shadow`, on by default): a greedy sequence that is off for low acceptance
+(or compute bound) still asks its proposer for drafts every round it has none pending, but
+the verifier does not check them; the engine compares them with the tokens the sequence
+then emits and reports the match as an ordinary round (for greedy decoding a draft token
+is accepted exactly when it equals the target's next token). So an off sequence keeps
+measuring its acceptance without spending verifier time, and comes back as soon as the
+measure recovers instead of waiting for a probe; greedy sequences measure the methods they
+do not use the same way, once per `probe_interval` rounds. Sampled sequences use probes.
 
 A request's own `speculation` always wins: `mode: off` (or `max_k: 0`) gives k = 0,
 `mode: on` a fixed k = its `max_k` (else `k`), `method` pins the method, and `max_k`
@@ -67,6 +86,9 @@ REASONS = (
     "probe",  # a cheap periodic draft to re-measure an off sequence or an unused method
 )
 
+#: Off reasons under which a greedy sequence keeps shadow-drafting (see the module docstring).
+SHADOW_REASONS = ("low_acceptance", "batch_compute_bound")
+
 
 @dataclasses.dataclass(frozen=True)
 class ControllerSettings:
@@ -94,6 +116,11 @@ class ControllerSettings:
     hysteresis: float = 0.2
     #: Weight of the newest step and proposer-latency measurement in their EWMAs.
     timing_ewma: float = 0.2
+    #: Greedy sequences measure acceptance from unverified (shadow) drafts while off, and
+    #: methods they do not use likewise, instead of verified probes.
+    shadow: bool = True
+    #: ... for methods whose round trip is at most this share of a lone decode step.
+    shadow_latency_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -105,6 +132,8 @@ class ControllerSettings:
         for name in ("acceptance_ewma", "timing_ewma"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.shadow_latency_share < 0:
+            raise ValueError(f"shadow_latency_share must be >= 0, got {self.shadow_latency_share}")
         if not 0 <= self.prior_acceptance <= 1 or not 0 <= self.hysteresis < 1:
             raise ValueError(f"prior_acceptance in [0, 1] and hysteresis in [0, 1) required, "
                              f"got {self.prior_acceptance}, {self.hysteresis}")
@@ -128,6 +157,8 @@ class SequenceView:
     max_k: int | None = None
     #: Tokens the sequence may still emit; a round emits up to k + 1.
     remaining_tokens: int = 1 << 30
+    #: Greedy decoding: an unverified draft's acceptance is known from the output alone.
+    greedy: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +166,10 @@ class Decision:
     method: str | None
     k: int
     reason: str
+    #: A shadow draft to ask for besides (`shadow_k` tokens of `shadow_method`), compared by
+    #: the engine with the tokens the sequence emits next and never verified.
+    shadow_method: str | None = None
+    shadow_k: int = 0
 
 
 class StepTimeModel:
@@ -243,7 +278,7 @@ class _SeqState:
     #: Whether the last auto decision gave drafts (for hysteresis), and if not, why.
     on: bool = True
     off_reason: str = ""
-    #: Rounds since the sequence last drafted with each method.
+    #: Rounds since the sequence last drafted (or shadow-drafted) with each method.
     idle: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -375,6 +410,46 @@ class Controller:
             self.decisions[d.reason] += 1
         return out
 
+    def trim(self, rounds: Sequence[tuple[str, str | None, int, str]], num_prefill_tokens: int = 0,
+             num_prefill_seqs: int = 0) -> list[int]:
+        """Once the proposers have answered: how many of each sequence's drafts to verify.
+
+        `rounds[i]` is (seq_id, method, drafts received, the decision's reason) for every
+        running sequence of the pass. Only `goodput` decisions are cut, by the same
+        maximisation as `plan`, now knowing which sequences have drafts and how many
+        (p = 1 for those, nothing for the rest); the proposers' time is spent by now and
+        does not count. Other decisions keep every draft they received."""
+        out = [n for _, _, n, _ in rounds]
+        if self.step_time is None:
+            return out
+        batch = len(rounds) + num_prefill_seqs
+        fixed_tokens = float(num_prefill_tokens + len(rounds) + sum(out))
+        fixed_expected = float(len(rounds))
+        candidates: list[tuple[float, int]] = []
+        for i, (seq_id, method, n, reason) in enumerate(rounds):
+            if n == 0 or method not in self._global:
+                continue
+            alphas = self._estimate(self._state(seq_id), method).alphas(min(n, self._max_positions))
+            if reason != "goodput":
+                fixed_expected += sum(alphas)
+                continue
+            fixed_tokens -= n
+            out[i] = 0
+            candidates.extend((a, i) for a in alphas)
+        if not candidates:
+            return out
+        candidates.sort(key=lambda c: -c[0])
+        best_d, best_g = 0, fixed_expected / self.step_time(fixed_tokens, batch)
+        gained = 0.0
+        for d, (a, _) in enumerate(candidates, start=1):
+            gained += a
+            g = (fixed_expected + gained) / self.step_time(fixed_tokens + d, batch)
+            if g > best_g:
+                best_d, best_g = d, g
+        for _, i in candidates[:best_d]:
+            out[i] += 1
+        return out
+
     def _cap(self, v: SequenceView) -> int:
         cap = max(v.remaining_tokens - 1, 0)  # a round emits up to k + 1 tokens
         cap = min(cap, self._max_positions)
@@ -429,6 +504,7 @@ class Controller:
                 fixed_methods.add(d.method)
         # Candidates: (marginal alpha, p, auto index, method); alpha per sequence non-increasing.
         candidates: list[tuple[float, float, int, str]] = []
+        cheap: list[tuple[int, str, AcceptanceEstimate, float, int]] = []
         chosen: dict[int, str] = {}
         for i in auto:
             v = seqs[i]
@@ -447,11 +523,39 @@ class Controller:
             cap = min(self._cap(v), s.max_k)
             est = self._estimate(state, method)
             scale = 1.0 if state.on else 1.0 - s.hysteresis
-            candidates.extend((a * scale, est.p, i, method) for a in est.alphas(cap))
+            if self._cheap(method):
+                cheap.append((i, method, est, scale, cap))
+            else:
+                candidates.extend((a * scale, est.p, i, method) for a in est.alphas(cap))
         candidates.sort(key=lambda c: -c[0])
 
         def latency(methods: set[str]) -> float:
             return max((self.latency_s(m) for m in methods), default=0.0)
+
+        # A cheap method is asked for the whole cap whenever drafting pays for the sequence
+        # on its own, assuming its proposer has a draft: asking costs next to nothing, and
+        # `trim` shares the pass out once the drafts (or their absence) are known.
+        generous: dict[int, int] = {}
+        solo_reason: dict[int, str] = {}
+        base_den = t(fixed_tokens) + latency(fixed_methods)
+        for i, method, est, scale, cap in cheap:
+            lat = max(latency(fixed_methods), self.latency_s(method))
+            gained, pays = 0.0, False
+            for k, a in enumerate(est.alphas(cap), start=1):
+                gained += a * scale
+                if (fixed_expected + gained) / (t(fixed_tokens + k) + lat) > fixed_expected / base_den:
+                    pays = True
+                    break
+            if pays:
+                generous[i] = cap
+            else:
+                solo_reason[i] = self._why_nobody(t, cap, self.latency_s(method), fixed_expected, fixed_tokens,
+                                                  latency(fixed_methods))
+        for i, method, est, _, cap in cheap:
+            if i in generous:
+                fixed_tokens += est.p * cap
+                fixed_expected += est.p * sum(est.alphas(cap))
+                fixed_methods.add(method)
 
         base_den = t(fixed_tokens) + latency(fixed_methods)
         best_d, best_g = 0, fixed_expected / base_den
@@ -469,19 +573,29 @@ class Controller:
             if decisions[i] is not None:
                 continue  # a probe
             v = seqs[i]
-            if ks[i]:
-                decisions[i] = Decision(chosen[i], ks[i], "goodput")
+            state = self._state(v.seq_id)
+            cap = min(self._cap(v), s.max_k)
+            other = self._shadow_other(v, state, live, chosen[i])
+            k = generous.get(i, ks[i])
+            if k:
+                decisions[i] = Decision(chosen[i], k, "goodput", other, cap if other else 0)
                 self._mark(v.seq_id, chosen[i], on=True)
                 continue
             self._mark(v.seq_id, None, on=False)
-            key = (min(self._cap(v), s.max_k), chosen[i])
-            if best_d == 0 and key not in reasons:
-                reasons[key] = self._why_nobody(t, key[0], self.latency_s(key[1]), fixed_expected, fixed_tokens,
-                                                latency(fixed_methods))
-            # With drafts elsewhere in the batch, others' drafts were simply worth more.
-            reason = "low_acceptance" if best_d > 0 else reasons[key]
-            self._state(v.seq_id).off_reason = reason
-            decisions[i] = Decision(None, 0, reason)
+            key = (cap, chosen[i])
+            if i in solo_reason:
+                reason = solo_reason[i]
+            else:
+                if best_d == 0 and key not in reasons:
+                    reasons[key] = self._why_nobody(t, key[0], self.latency_s(key[1]), fixed_expected, fixed_tokens,
+                                                    latency(fixed_methods))
+                # With drafts elsewhere in the batch, others' drafts were simply worth more.
+                reason = "low_acceptance" if best_d > 0 else reasons[key]
+            state.off_reason = reason
+            if reason in SHADOW_REASONS and self._can_shadow(v, other or chosen[i]):
+                decisions[i] = Decision(None, 0, reason, other or chosen[i], cap)
+            else:
+                decisions[i] = Decision(None, 0, reason)
 
     @staticmethod
     def _why_nobody(t, cap: int, method_latency: float, expected: float, tokens: float, latency: float) -> str:
@@ -500,9 +614,33 @@ class Controller:
             return "proposer_slow"
         return "low_acceptance"
 
+    def _cheap(self, method: str) -> bool:
+        """A method whose round trip is at most `shadow_latency_share` of a lone decode
+        step (e.g. n-gram lookup): asking it for more drafts than get verified is free."""
+        s = self.settings
+        return self.step_time is not None and self.latency_s(method) <= s.shadow_latency_share * self.step_time(1)
+
+    def _can_shadow(self, v: SequenceView, method: str) -> bool:
+        """Shadow drafts need greedy decoding (to score them from the output alone) and a
+        cheap method: its round trip at most `shadow_latency_share` of a lone decode step
+        (shadows cost the proposer the same as verified drafts)."""
+        return v.greedy and self.settings.shadow and self._cheap(method)
+
+    def _shadow_other(self, v: SequenceView, state: _SeqState, live: list[str], chosen: str) -> str | None:
+        """A method other than `chosen` that the sequence has not used or shadowed for
+        `probe_interval` rounds and may shadow (its idle count restarts), else None."""
+        if v.method is not None:
+            return None
+        for m in live:
+            if m != chosen and state.idle.get(m, 0) >= self.settings.probe_interval and self._can_shadow(v, m):
+                state.idle[m] = 0
+                return m
+        return None
+
     def _probe(self, v: SequenceView, state: _SeqState, live: list[str], chosen: str) -> Decision | None:
         """A cheap draft for an off sequence (has its acceptance recovered?) or for a method
-        the sequence has not used lately (is it better now?), once per `probe_interval`."""
+        the sequence has not used lately (is it better now?), once per `probe_interval`;
+        none where shadow drafts measure the same for free."""
         s = self.settings
         k = min(s.probe_k, self._cap(v), s.max_k)
         if k == 0:
@@ -510,11 +648,12 @@ class Controller:
         if not state.on:
             # Only an acceptance-driven off is worth re-measuring: a compute-bound batch
             # stays compute bound whatever this sequence's acceptance.
-            if state.off_reason != "batch_compute_bound" and state.idle.get(chosen, 0) >= s.probe_interval:
+            if (state.off_reason != "batch_compute_bound" and state.idle.get(chosen, 0) >= s.probe_interval
+                    and not self._can_shadow(v, chosen)):
                 return Decision(chosen, k, "probe")
             return None
         if v.method is None:
             for m in live:
-                if m != chosen and state.idle.get(m, 0) >= s.probe_interval:
+                if m != chosen and state.idle.get(m, 0) >= s.probe_interval and not self._can_shadow(v, m):
                     return Decision(m, k, "probe")
         return None

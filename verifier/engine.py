@@ -84,6 +84,10 @@ class EngineStats:
     num_output_tokens: int = 0
     num_proposer_failures: int = 0
     num_resyncs: int = 0
+    #: Shadow drafts received and resolved (compared with the output), and their tokens.
+    num_shadow_drafts: int = 0
+    num_shadow_tokens: int = 0
+    num_shadow_matched: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -171,6 +175,7 @@ class Engine:
         #: Methods whose proposers read the target's hidden states (EAGLE): the engine keeps
         #: each sequence's final hidden states (bfloat16) and sends the new ones each round.
         self._hidden_methods = {m for m, src in self.proposers.items() if getattr(src, "needs_hidden_states", False)}
+        self._shadow_calls: list[asyncio.Future] = []
         self.controller = controller or Controller.off()
         if not self.controller.methods:
             self.controller.set_methods(tuple(self.proposers))
@@ -430,6 +435,9 @@ class Engine:
         works = [_Work(s, list(s.prompt_token_ids), np.zeros(0, np.int32), None) for s in admitted]
         works += await self._plan_and_propose(running, sum(len(w.input_token_ids) for w in works), len(works))
         seconds = await asyncio.get_running_loop().run_in_executor(self._worker, self._execute, works)
+        if self._shadow_calls:  # shadow-only proposer calls made beside the pass
+            await asyncio.gather(*self._shadow_calls)
+            self._shadow_calls = []
         self.stats.num_steps += 1
         num_tokens = sum(len(w.input_token_ids) for w in works)
         self.controller.observe_step(num_tokens, len(works), seconds)
@@ -449,15 +457,22 @@ class Engine:
             return []
         available = {m: getattr(src, "available", True) for m, src in self.proposers.items()}
         decisions = self.controller.plan([
-            SequenceView(s.request_id, s.mode, s.method, s.max_k, s.params.max_tokens - len(s.output_token_ids))
+            SequenceView(s.request_id, s.mode, s.method, s.max_k, s.params.max_tokens - len(s.output_token_ids),
+                         s.params.greedy)
             for s in running
         ], available, num_prefill_tokens, num_prefill_seqs)
         assert len(decisions) == len(running), f"{len(decisions)=} {len(running)=}"
         works = []
         by_method: dict[str, list[tuple[int, ProposalRequest]]] = {}
+        shadows: dict[str, list[tuple[Sequence, ProposalRequest]]] = {}
         for seq, d in zip(running, decisions):
             work = _Work(seq, [seq.output_token_ids[-1]], np.zeros(0, np.int32), None, d.method, d.reason)
             works.append(work)
+            if d.shadow_k and seq.shadow_method is None and available.get(d.shadow_method) and d.shadow_method != (
+                    d.method if d.k else None):
+                k = self._clamp_k(seq, d.shadow_k)
+                if k:
+                    shadows.setdefault(d.shadow_method, []).append((seq, self._request(seq, d.shadow_method, k)))
             if d.k == 0:
                 continue
             if d.method not in self.proposers:
@@ -467,36 +482,111 @@ class Engine:
             if k == 0:
                 work.reason = "length"
                 continue
-            synced = seq.synced_len.get(d.method, 0)
-            hidden = None
-            if d.method in self._hidden_methods:
-                # The hidden states of the context positions the proposer lacks, up to the
-                # one before the last token (the last token's comes from this round's pass).
-                assert seq.num_hidden == seq.num_context_tokens - 1, (seq.num_hidden, seq.num_context_tokens)
-                hidden = seq.hidden[max(synced - 1, 0) : seq.num_hidden]
             work.rpc_span, carrier = tracing.start_proposer_call(work.span, d.method, k)
-            by_method.setdefault(d.method, []).append((len(works) - 1, ProposalRequest(
-                seq_id=seq.request_id,
-                base_len=synced,
-                append_token_ids=seq.context_slice(synced),
-                k=k,
-                temperature=seq.params.temperature,
-                hidden_states=hidden,
-                trace_context=carrier,
-            )))
-            seq.synced_len.setdefault(d.method, 0)  # so that _finish releases it there
+            by_method.setdefault(d.method, []).append((len(works) - 1, self._request(seq, d.method, k, carrier)))
+        # Shadow drafts ride along in a method's call when it has one this round; a method
+        # asked only for shadows is called beside the pass (`step` awaits it before commit).
+        self._shadow_calls = [asyncio.ensure_future(self._shadow_call(m, reqs))
+                              for m, reqs in shadows.items() if m not in by_method]
         if by_method:
-            answers = await asyncio.gather(*(self._propose(m, [r for _, r in reqs]) for m, reqs in by_method.items()))
+            answers = await asyncio.gather(*(self._propose(m, [r for _, r in reqs] + [r for _, r in shadows.get(m, ())])
+                                             for m, reqs in by_method.items()))
             for (method, reqs), proposals in zip(by_method.items(), answers):
                 for (i, request), proposal in zip(reqs, proposals or ()):
                     self._take_proposal(works[i], request, proposal)
                 if proposals is None:
                     for i, _ in reqs:
                         works[i].reason = "proposer_failed"
+                else:
+                    self._take_shadows(method, shadows.get(method, ()), proposals[len(reqs):])
+            self._trim(works, num_prefill_tokens, num_prefill_seqs)
             for work in works:
                 if work.rpc_span is not None:
                     tracing.end_proposer_call(work.rpc_span, int(work.draft_token_ids.size), work.reason)
         return works
+
+    def _trim(self, works: list[_Work], num_prefill_tokens: int, num_prefill_seqs: int) -> None:
+        """Let the controller cut the drafts received to what pays now that it knows which
+        sequences have any, then append the kept drafts to the pass's inputs."""
+        ks = self.controller.trim([(w.seq.request_id, w.method, int(w.draft_token_ids.size), w.reason)
+                                   for w in works], num_prefill_tokens, num_prefill_seqs)
+        for work, k in zip(works, ks):
+            n = work.draft_token_ids.size
+            if k < n:
+                work.draft_token_ids = work.draft_token_ids[:k]
+                if work.draft_probs is not None:
+                    work.draft_probs = work.draft_probs[:k] if k else None
+                if k == 0:
+                    work.reason = "low_acceptance"
+            work.input_token_ids.extend(work.draft_token_ids.tolist())
+
+    def _request(self, seq: Sequence, method: str, k: int, trace_context=None) -> ProposalRequest:
+        """A round's proposal request for `seq` from `method`, under the delta contract."""
+        synced = seq.synced_len.get(method, 0)
+        hidden = None
+        if method in self._hidden_methods:
+            # The hidden states of the context positions the proposer lacks, up to the
+            # one before the last token (the last token's comes from this round's pass).
+            assert seq.num_hidden == seq.num_context_tokens - 1, (seq.num_hidden, seq.num_context_tokens)
+            hidden = seq.hidden[max(synced - 1, 0) : seq.num_hidden]
+        seq.synced_len.setdefault(method, 0)  # so that _finish releases it there
+        return ProposalRequest(
+            seq_id=seq.request_id,
+            base_len=synced,
+            append_token_ids=seq.context_slice(synced),
+            k=k,
+            temperature=seq.params.temperature,
+            hidden_states=hidden,
+            trace_context=trace_context,
+        )
+
+    async def _shadow_call(self, method: str, reqs: list[tuple[Sequence, ProposalRequest]]) -> None:
+        proposals = await self._propose(method, [r for _, r in reqs])
+        if proposals is not None:
+            self._take_shadows(method, reqs, proposals)
+
+    def _take_shadows(self, method: str, reqs, proposals: list[Proposal]) -> None:
+        """Keep each shadow draft on its sequence; the tokens it emits next resolve it."""
+        vocab = self.model.config.vocab_size
+        for (seq, request), proposal in zip(reqs, proposals):
+            if proposal.resync:
+                seq.synced_len[method] = 0
+                self.stats.num_resyncs += 1
+                continue
+            seq.synced_len[method] = request.base_len + len(request.append_token_ids)
+            drafts = [int(t) for t in proposal.draft_token_ids[: request.k]]
+            if drafts and not all(0 <= t < vocab for t in drafts):
+                continue
+            if not drafts:  # no draft at all: the share p of asks with drafts learns from it
+                self.controller.observe_round(seq.request_id, method, 0, 0)
+                continue
+            seq.shadow_method, seq.shadow_token_ids, seq.shadow_matched = method, drafts, 0
+            self.stats.num_shadow_drafts += 1
+
+    def _advance_shadow(self, seq: Sequence, emitted: list[int], final: bool) -> None:
+        """Compare a pending shadow draft with newly emitted tokens; once a token differs,
+        every draft token was seen, or the sequence ends, report it to the controller as a
+        round of the drafts seen that accepted the matching prefix."""
+        if seq.shadow_method is None:
+            return
+        drafts = seq.shadow_token_ids
+        done = False
+        for token in emitted:
+            if token != drafts[seq.shadow_matched]:
+                seen, done = seq.shadow_matched + 1, True
+                break
+            seq.shadow_matched += 1
+            if seq.shadow_matched == len(drafts):
+                seen, done = len(drafts), True
+                break
+        else:
+            seen = seq.shadow_matched
+        if done or final:
+            if seen:
+                self.controller.observe_round(seq.request_id, seq.shadow_method, seen, seq.shadow_matched)
+                self.stats.num_shadow_tokens += seen
+                self.stats.num_shadow_matched += seq.shadow_matched
+            seq.shadow_method, seq.shadow_token_ids, seq.shadow_matched = None, [], 0
 
     async def _propose(self, method: str, requests: list[ProposalRequest]) -> list[Proposal] | None:
         """One method's drafts for this round, or None if its proposer failed (fail open)."""
@@ -545,7 +635,6 @@ class Engine:
         work.draft_token_ids = drafts
         if proposal.draft_probs is not None:
             work.draft_probs = _draft_probs(proposal.draft_probs, drafts.size, vocab)
-        work.input_token_ids.extend(drafts.tolist())
 
     def _execute(self, works: list[_Work]) -> float:
         """Worker thread: forward pass, then acceptance for every sequence; returns its seconds."""
@@ -623,6 +712,7 @@ class Engine:
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 finish = FinishReason.LENGTH
                 break
+        self._advance_shadow(seq, new_tokens, final=finish is not None)
         if finish is not None:
             # Tokens after EOS / the stop string were computed but are not part of the output.
             if seq.detokenizer is not None and not seq.detokenizer.stopped:

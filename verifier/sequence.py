@@ -108,6 +108,11 @@ class Sequence:
     num_hidden: int = 0
     #: The request's recording OpenTelemetry span (`splitspec.request`), None when untraced.
     span: object = None
+    #: A pending shadow draft (`verifier.controller`): its method, its tokens, and how many
+    #: of them the emitted tokens have matched so far.
+    shadow_method: str | None = None
+    shadow_token_ids: list[int] = dataclasses.field(default_factory=list)
+    shadow_matched: int = 0
 
     def add_hidden(self, rows: torch.Tensor) -> None:
         n = self.num_hidden + rows.shape[0]

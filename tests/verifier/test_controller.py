@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from verifier.controller import REASONS, AcceptanceEstimate, Controller, ControllerSettings, SequenceView, StepTimeModel
+from verifier.controller import (REASONS, AcceptanceEstimate, Controller, ControllerSettings, Decision, SequenceView,
+                                 StepTimeModel)
 
 A, B, L = 0.020, 0.0005, 0.001  # 20 ms fixed per pass, 0.5 ms per token, 1 ms proposer round trip
 MEMORY_BOUND = StepTimeModel.linear(A, B)
@@ -20,6 +21,9 @@ COMPUTE_BOUND = StepTimeModel([(1, 0.002), (4096, 0.002 * 4096)])  # T(n) = 2 ms
 
 
 def _controller(step_time=MEMORY_BOUND, methods=("ngram",), **settings) -> Controller:
+    """Methods are not `cheap` here unless the test says so (shadow_latency_share 0 < L):
+    `plan` sizes k itself instead of asking for the cap and leaving it to `trim`."""
+    settings.setdefault("shadow_latency_share", 0.0)
     c = Controller(ControllerSettings(**settings), methods, step_time)
     for m in methods:
         c.observe_proposer(m, L)
@@ -157,21 +161,107 @@ def test_slow_proposer_is_named():
     assert _one(c, SequenceView("s")).reason == "proposer_slow"
 
 
+# ---------------------------------------------------------------------- cheap methods: ask, then trim
+# The CPU verifier's shape: one token 76 ms, 2-16 tokens 131 ms (rows padded to 16), then
+# rising. Drafting 8 tokens costs as much as drafting 1.
+STEP_SHAPED = StepTimeModel([(1, 0.076), (2, 0.131), (16, 0.131), (32, 0.200)])
+
+
+def test_cheap_method_is_asked_for_the_cap_when_a_draft_would_pay():
+    # A sequence whose proposer has a draft in 1 round of 10 (p = 0.1), c(j) = 0.5.
+    # Given a draft, k = 8 gives S_8 = 0.5 + ... + 0.5^8 = 0.996 tokens more for 131 + 1 ms
+    # instead of 76: (1 + 0.996) / 132 = 0.01512 > 1 / 76 = 0.01316, so a cheap method
+    # (round trip 1 ms <= 0.25 * 76 ms) is asked for k = 8.
+    # Weighing by p instead, as for a costly method, spreads the draft over the jump:
+    # (1 + 0.0996) / (T(1.8) + 1) = 1.0996 / (120 + 1) = 0.00909 < 0.01316: off.
+    def seeded(share):
+        c = _controller(step_time=STEP_SHAPED, shadow_latency_share=share)
+        c._state("s").by_method["ngram"] = AcceptanceEstimate([0.5] * 8, p=0.1)
+        return c
+
+    assert _one(seeded(0.25), SequenceView("s")) == Decision("ngram", 8, "goodput")
+    assert _one(seeded(0.0), SequenceView("s")) == Decision(None, 0, "low_acceptance")
+
+
+def test_trim_keeps_the_drafts_that_pay_once_they_are_known():
+    # T(n) = 20 + 0.5 n ms, one pass of four sequences:
+    #   a: 8 drafts, c = [0.9, 0.1, ...]: alpha = 0.9, 0.09, 0.009, ...
+    #   b: 8 drafts, c = [0.05, 0.6, ...]: alpha <= 0.05
+    #   c: 4 drafts of a static decision (kept), prior c = 0.6: expects 0.6 + 0.36 + 0.216 + 0.1296
+    #   d: no draft.
+    # Fixed: 4 + 4 = 8 tokens, E = 4 + 1.3056 = 5.3056 in T = 24 ms. A draft of marginal
+    # alpha pays iff (E + alpha) / (T + 0.5) > E / T, i.e. alpha > 0.5 E / T:
+    #   a's first: 0.9 > 0.5 * 5.3056 / 24 = 0.111 -> E = 6.2056, T = 24.5;
+    #   a's second: 0.09 < 0.5 * 6.2056 / 24.5 = 0.127, and every later alpha is smaller.
+    c = _controller()
+    for seq_id, conditional in (("a", [0.9] + [0.1] * 7), ("b", [0.05] + [0.6] * 7)):
+        c._state(seq_id).by_method["ngram"] = AcceptanceEstimate(conditional)
+    rounds = [("a", "ngram", 8, "goodput"), ("b", "ngram", 8, "goodput"), ("c", "ngram", 4, "static"),
+              ("d", "ngram", 0, "no_draft")]
+    assert c.trim(rounds) == [1, 0, 4, 0]
+    # On the step-shaped CPU curve tokens are free up to 16 in the pass: 8 are fixed, so the
+    # 8 largest alphas go in whoever's they are: a's 0.9 and 0.09, b's 0.05, 0.03, 0.018 and
+    # 0.0108, a's 0.009, b's 0.00648. A 17th token costs 69 / 16 = 4.3 ms and would need
+    # alpha > 4.3 * E / T = 4.3 * 6.42 / 131 = 0.21.
+    c.step_time = STEP_SHAPED
+    assert c.trim(rounds) == [3, 5, 4, 0]
+
+
+# ---------------------------------------------------------------------- shadow drafts
+def test_off_greedy_sequence_shadow_drafts_and_comes_back_without_probes():
+    # c = [0.02, 0.6, ...] and off: with the hysteresis (x 0.8) S_k <= 0.8 * 0.05 = 0.04 and
+    # 0.04 * 20.5 < 0.5 k + 1 for every k: off for low acceptance (all-accepted drafts would pay).
+    c = _controller(shadow_latency_share=0.25)
+    for seq_id in ("greedy", "sampled"):
+        c._state(seq_id).by_method["ngram"] = AcceptanceEstimate([0.02] + [0.6] * 7)
+        c._state(seq_id).on = False
+    greedy, sampled = SequenceView("greedy", greedy=True), SequenceView("sampled")
+    for _ in range(12):
+        assert _one(c, greedy) == Decision(None, 0, "low_acceptance", "ngram", 8)
+    # A sampled sequence has no shadows: it is probed after probe_interval rounds.
+    decisions = [_one(c, sampled) for _ in range(8)]
+    assert decisions[:7] == [Decision(None, 0, "low_acceptance")] * 7 and decisions[7] == Decision("ngram", 2, "probe")
+    # One shadow draft that the output matched in full: c(1) = 0.02 + 0.3 * 0.98 = 0.314 and
+    # c(2..8) = 0.72, S_8 = 0.314 (1 - 0.72^8) / 0.28 = 1.04; 0.8 * 1.04 * 20.5 = 17.1 > 0.5 * 8 + 1.
+    c.observe_round("greedy", "ngram", 8, 8)
+    assert _one(c, greedy) == Decision("ngram", 8, "goodput")
+
+
+def test_greedy_sequence_measures_its_other_method_by_shadow():
+    c = _controller(methods=("ngram", "draft"), shadow_latency_share=0.25)
+    for _ in range(5):
+        c.observe_round("s", "ngram", 8, 8)  # n-gram is the better method for this sequence
+    c._state("s").by_method["draft"] = AcceptanceEstimate([0.3] * 8)
+    decisions = [_one(c, SequenceView("s", greedy=True)) for _ in range(16)]
+    assert all((d.method, d.k, d.reason) == ("ngram", 8, "goodput") for d in decisions)
+    # The draft method is shadowed once every probe_interval rounds, never probed.
+    assert [i for i, d in enumerate(decisions) if d.shadow_method == "draft"] == [7, 15]
+    assert {d.shadow_k for d in decisions if d.shadow_method} == {8}
+
+
 # ---------------------------------------------------------------------- the request's own policy
-def test_request_policy_is_never_exceeded():
+@pytest.mark.parametrize("share", [0.0, 0.25], ids=["costly", "cheap"])
+def test_request_policy_is_never_exceeded(share):
     rng = random.Random(11)
     for policy in ("off", "static", "batch_table", "goodput"):
-        c = _controller(policy=policy, methods=("ngram", "draft"), k=6)
+        c = _controller(policy=policy, methods=("ngram", "draft"), k=6, shadow_latency_share=share)
         for round_ in range(200):
             views = []
             for i in range(rng.randint(1, 12)):
                 views.append(SequenceView(
                     f"s{i}", mode=rng.choice(["auto", "off", "on"]), method=rng.choice([None, "ngram", "draft"]),
-                    max_k=rng.choice([None, 0, 1, 3]), remaining_tokens=rng.choice([1, 2, 5, 1000])))
+                    max_k=rng.choice([None, 0, 1, 3]), remaining_tokens=rng.choice([1, 2, 5, 1000]),
+                    greedy=rng.random() < 0.5))
             available = {"ngram": True, "draft": rng.random() < 0.8}
             for v, d in zip(views, c.plan(views, available)):
                 assert d.reason in REASONS
                 assert d.k >= 0 and (d.k == 0) == (d.method is None), d
+                if d.shadow_k:  # shadows: greedy auto sequences only, a live method, within the caps
+                    assert share > 0 and v.greedy and v.mode == "auto" and policy == "goodput", (v, d)
+                    assert available[d.shadow_method] and d.shadow_method != d.method
+                    assert d.shadow_k <= min(v.max_k if v.max_k is not None else 8, v.remaining_tokens - 1)
+                    if v.method is not None:
+                        assert d.shadow_method == v.method
                 if v.mode == "off" or v.max_k == 0:
                     assert (d.k, d.reason) == (0, "request_off")
                 if v.max_k is not None:

@@ -236,6 +236,59 @@ def test_controller_flipping_method_and_k_every_round_stays_exact(model, tokeniz
     assert sum(r.stats.rounds_by_method.get("random", 0) for r in results) > 0
 
 
+class _ShadowOnlyController(Controller):
+    """Never verifies a draft; asks n-gram for a shadow draft of 4 every round (the engine
+    asks only when none is pending) and records what the engine reports back."""
+
+    def __init__(self):
+        super().__init__(ControllerSettings(policy="goodput"), ("ngram",))
+        self.observed: list[tuple[int, int]] = []
+
+    def plan(self, seqs, available=None, num_prefill_tokens=0, num_prefill_seqs=0):
+        return [Decision(None, 0, "low_acceptance", "ngram", 4) for _ in seqs]
+
+    def observe_round(self, seq_id, method, num_drafted, num_accepted):
+        self.observed.append((num_drafted, num_accepted))
+
+
+class _RecordingNgram(NgramProposer):
+    def __init__(self):
+        super().__init__()
+        self.asks: list[tuple[int, list[int]]] = []  # (context length, drafts)
+
+    def propose_sync(self, requests):
+        proposals = super().propose_sync(requests)
+        for r, p in zip(requests, proposals):
+            if not p.resync:
+                self.asks.append((r.base_len + len(r.append_token_ids), [int(t) for t in p.draft_token_ids]))
+        return proposals
+
+
+def test_shadow_drafts_are_scored_against_the_output(model, tokenizer, code_prompt, plain):
+    """Shadow drafts are never verified, so the output is plain decoding's; each one is
+    reported as the matching prefix of the tokens that followed its context, worked out
+    here from the final output."""
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    expected = _first(plain, code_prompt, params).token_ids
+    proposer, controller = _RecordingNgram(), _ShadowOnlyController()
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), proposer, controller)
+    r = _first(engine, code_prompt, params)
+    assert r.token_ids == expected and r.stats.drafted == 0
+    want = []
+    for context_len, drafts in proposer.asks:
+        if not drafts:
+            want.append((0, 0))
+            continue
+        following = expected[context_len - len(code_prompt):][: len(drafts)]
+        matched = next((i for i, (a, b) in enumerate(zip(drafts, following)) if a != b), len(following))
+        seen = min(matched + 1, len(following))
+        if seen:
+            want.append((seen, matched))
+    assert controller.observed == want
+    assert sum(n for n, _ in want) > 0 and sum(m for _, m in want) > 0  # the prompt is quoted: drafts match
+    assert engine.stats.num_shadow_tokens == sum(n for n, _ in want)
+
+
 def test_request_max_k_caps_speculation(model, tokenizer, code_prompt):
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), NgramProposer(),
                     Controller.static(8))
