@@ -135,8 +135,9 @@ class ControllerConfig(_Strict):
     shadow: bool = Field(True, description="'goodput': a greedy sequence that is off keeps asking a cheap "
                          "proposer for drafts that are not verified but scored against the tokens it emits next, "
                          "so it comes back as soon as its acceptance does; unused methods are measured the same way.")
-    shadow_latency_share: float = Field(0.25, ge=0, description="Shadow drafts only from methods whose round trip "
-                                        "is at most this share of a lone decode step.")
+    shadow_latency_share: float = Field(0.25, ge=0, description="A method whose round trip is at most this share "
+                                        "of a lone decode step is cheap: 'goodput' asks it for max_k and trims the "
+                                        "drafts once they are in, and only cheap methods shadow-draft.")
 
     @model_validator(mode="after")
     def _valid(self) -> "ControllerConfig":

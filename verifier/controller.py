@@ -420,12 +420,12 @@ class Controller:
         (p = 1 for those, nothing for the rest); the proposers' time is spent by now and
         does not count. Other decisions keep every draft they received."""
         out = [n for _, _, n, _ in rounds]
-        if self.step_time is None:
-            return out
+        if self.step_time is None or not any(n and reason == "goodput" for _, _, n, reason in rounds):
+            return out  # nothing to cut (static policies: every round)
         batch = len(rounds) + num_prefill_seqs
         fixed_tokens = float(num_prefill_tokens + len(rounds) + sum(out))
         fixed_expected = float(len(rounds))
-        candidates: list[tuple[float, int]] = []
+        candidates: list[tuple[float, float, int, str]] = []
         for i, (seq_id, method, n, reason) in enumerate(rounds):
             if n == 0 or method not in self._global:
                 continue
@@ -435,20 +435,30 @@ class Controller:
                 continue
             fixed_tokens -= n
             out[i] = 0
-            candidates.extend((a, i) for a in alphas)
-        if not candidates:
-            return out
-        candidates.sort(key=lambda c: -c[0])
-        best_d, best_g = 0, fixed_expected / self.step_time(fixed_tokens, batch)
-        gained = 0.0
-        for d, (a, _) in enumerate(candidates, start=1):
-            gained += a
-            g = (fixed_expected + gained) / self.step_time(fixed_tokens + d, batch)
+            candidates.extend((a, 1.0, i, method) for a in alphas)
+        ks = self._best_prefix(candidates, lambda gained, tokens, methods: (
+            (fixed_expected + gained) / self.step_time(fixed_tokens + tokens, batch)))
+        for i, k in ks.items():
+            out[i] = k
+        return out
+
+    @staticmethod
+    def _best_prefix(candidates: list[tuple[float, float, int, str]], goodput) -> collections.Counter[int]:
+        """Draft tokens per sequence maximising `goodput(gained, tokens, methods)`:
+        `candidates` are (marginal alpha, p, sequence, method), each sequence's alphas
+        non-increasing; tokens go in decreasing alpha and the best prefix is kept (exact
+        for any T of the token count). Empty when no draft beats none."""
+        candidates = sorted(candidates, key=lambda c: -c[0])
+        best_d, best_g = 0, goodput(0.0, 0.0, set())
+        gained, tokens, methods = 0.0, 0.0, set()
+        for d, (a, p, _, m) in enumerate(candidates, start=1):
+            gained += p * a
+            tokens += p
+            methods.add(m)
+            g = goodput(gained, tokens, methods)
             if g > best_g:
                 best_d, best_g = d, g
-        for _, i in candidates[:best_d]:
-            out[i] += 1
-        return out
+        return collections.Counter(i for _, _, i, _ in candidates[:best_d])
 
     def _cap(self, v: SequenceView) -> int:
         cap = max(v.remaining_tokens - 1, 0)  # a round emits up to k + 1 tokens
@@ -527,7 +537,6 @@ class Controller:
                 cheap.append((i, method, est, scale, cap))
             else:
                 candidates.extend((a * scale, est.p, i, method) for a in est.alphas(cap))
-        candidates.sort(key=lambda c: -c[0])
 
         def latency(methods: set[str]) -> float:
             return max((self.latency_s(m) for m in methods), default=0.0)
@@ -557,17 +566,9 @@ class Controller:
                 fixed_expected += est.p * sum(est.alphas(cap))
                 fixed_methods.add(method)
 
-        base_den = t(fixed_tokens) + latency(fixed_methods)
-        best_d, best_g = 0, fixed_expected / base_den
-        gained, tokens, methods = 0.0, 0.0, set(fixed_methods)
-        for d, (a, p, _, m) in enumerate(candidates, start=1):
-            gained += p * a
-            tokens += p
-            methods.add(m)
-            g = (fixed_expected + gained) / (t(fixed_tokens + tokens) + latency(methods))
-            if g > best_g:
-                best_d, best_g = d, g
-        ks = collections.Counter(i for _, _, i, _ in candidates[:best_d])
+        ks = self._best_prefix(candidates, lambda gained, tokens, methods: (
+            (fixed_expected + gained) / (t(fixed_tokens + tokens) + latency(fixed_methods | methods))))
+        best_d = sum(ks.values())
         reasons: dict[tuple[int, str], str] = {}
         for i in auto:
             if decisions[i] is not None:

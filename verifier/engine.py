@@ -547,20 +547,13 @@ class Engine:
 
     def _take_shadows(self, method: str, reqs, proposals: list[Proposal]) -> None:
         """Keep each shadow draft on its sequence; the tokens it emits next resolve it."""
-        vocab = self.model.config.vocab_size
         for (seq, request), proposal in zip(reqs, proposals):
-            if proposal.resync:
-                seq.synced_len[method] = 0
-                self.stats.num_resyncs += 1
-                continue
-            seq.synced_len[method] = request.base_len + len(request.append_token_ids)
-            drafts = [int(t) for t in proposal.draft_token_ids[: request.k]]
-            if drafts and not all(0 <= t < vocab for t in drafts):
-                continue
-            if not drafts:  # no draft at all: the share p of asks with drafts learns from it
+            drafts, why = self._received(seq, method, request, proposal)
+            if why == "no_draft":  # the share p of asks with drafts learns from it
                 self.controller.observe_round(seq.request_id, method, 0, 0)
+            if drafts is None:
                 continue
-            seq.shadow_method, seq.shadow_token_ids, seq.shadow_matched = method, drafts, 0
+            seq.shadow_method, seq.shadow_token_ids, seq.shadow_matched = method, drafts.tolist(), 0
             self.stats.num_shadow_drafts += 1
 
     def _advance_shadow(self, seq: Sequence, emitted: list[int], final: bool) -> None:
@@ -615,26 +608,31 @@ class Engine:
             k = min(k, seq.max_k)
         return max(k, 0)
 
-    def _take_proposal(self, work: _Work, request: ProposalRequest, proposal: Proposal) -> None:
-        seq = work.seq
+    def _received(self, seq: Sequence, method: str, request: ProposalRequest,
+                  proposal: Proposal) -> tuple[np.ndarray | None, str]:
+        """A proposal's drafts for `seq` (at most `request.k`), with the delta-sync state
+        updated; (None, why) when there are none: `resync` (the proposer lost the
+        sequence), `proposer_failed` (token ids outside the vocabulary) or `no_draft`."""
         if proposal.resync:
-            seq.synced_len[work.method] = 0
+            seq.synced_len[method] = 0
             self.stats.num_resyncs += 1
-            work.reason = "resync"
-            return
-        seq.synced_len[work.method] = seq.num_context_tokens
+            return None, "resync"
+        seq.synced_len[method] = request.base_len + len(request.append_token_ids)
         drafts = np.asarray(proposal.draft_token_ids, dtype=np.int32)[: request.k]
         vocab = self.model.config.vocab_size
         if drafts.size and (drafts.min() < 0 or drafts.max() >= vocab):
             logger.warning("proposer returned token ids outside [0, %d); ignoring the draft", vocab)
-            work.reason = "proposer_failed"
-            return
-        if drafts.size == 0:
-            work.reason = "no_draft"
+            return None, "proposer_failed"
+        return (drafts, "") if drafts.size else (None, "no_draft")
+
+    def _take_proposal(self, work: _Work, request: ProposalRequest, proposal: Proposal) -> None:
+        drafts, why = self._received(work.seq, work.method, request, proposal)
+        if drafts is None:
+            work.reason = why
             return
         work.draft_token_ids = drafts
         if proposal.draft_probs is not None:
-            work.draft_probs = _draft_probs(proposal.draft_probs, drafts.size, vocab)
+            work.draft_probs = _draft_probs(proposal.draft_probs, drafts.size, self.model.config.vocab_size)
 
     def _execute(self, works: list[_Work]) -> float:
         """Worker thread: forward pass, then acceptance for every sequence; returns its seconds."""
