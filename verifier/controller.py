@@ -26,8 +26,8 @@ Worked example: one sequence, T(n) = 20 ms + 0.5 ms * n, L = 1 ms. k = 1 pays wh
 (1 + alpha(1)) / (T(2) + L) > 1 / T(1), i.e. alpha(1) > (0.5 + 1) / 20.5 = 0.073.
 
 Cheap methods are asked first and trimmed after. Weighing a draft by p_i before knowing
-whether it comes spreads its cost over the step of T: on a CPU verifier a pass of 2-16
-tokens costs the same (rows padded to 16), so a draft that comes one round in ten is worth
+whether it comes spreads its cost over the step of T: on a CPU verifier a pass of 9-16
+tokens costs the same (rows padded to 16, `LlamaModel.gemm_rows`), so a draft that comes one round in ten is worth
 verifying in full, yet T(1 + 0.1 k) makes it look expensive. So a method whose round trip
 is at most `shadow_latency_share` of T(1) (n-gram lookup) is asked for the whole cap
 whenever drafting pays for the sequence on its own given a draft; once the drafts are in,
@@ -62,7 +62,7 @@ import bisect
 import collections
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 POLICIES = ("off", "static", "batch_table", "goodput")
 
@@ -180,7 +180,10 @@ class StepTimeModel:
     T_tokens piecewise linear between points measured on one sequence (extrapolated along
     the last segment); `per_seq_s` what each further sequence adds whatever its token count
     (its attention over its own context, per-sequence kernel calls). Drafts add tokens, not
-    sequences, so their cost is T_tokens' slope. `observe` splits the error of a measured
+    sequences, so their cost is T_tokens' slope. `rows(n)` is the row count a pass of n
+    tokens really runs at (the CPU verifier pads its GEMMs, `LlamaModel.gemm_rows`): an
+    integer n is priced at `rows(n)`, so T is flat between padded sizes, and a fractional
+    (expected) n between its two integer neighbours. `observe` splits the error of a measured
     pass between the nearest point and `per_seq_s` in proportion to their shares of the
     prediction, by EWMA, and keeps T_tokens non-decreasing. A pass with no point within 20%
     of its n (a long prefill) is ignored: blaming its error on either term would skew the
@@ -189,9 +192,13 @@ class StepTimeModel:
     >>> m = StepTimeModel([(1, 0.02), (16, 0.03)], per_seq_s=0.004)
     >>> round(m(8.5), 4), round(m(8.5, b=4), 4)
     (0.025, 0.037)
+    >>> padded = StepTimeModel([(1, 0.02), (16, 0.03)], rows=lambda n: 16 if n > 1 else n)
+    >>> round(padded(2), 4), round(padded(1.5), 4)
+    (0.03, 0.025)
     """
 
-    def __init__(self, points: Sequence[tuple[int, float]], per_seq_s: float = 0.0, ewma: float = 0.2) -> None:
+    def __init__(self, points: Sequence[tuple[int, float]], per_seq_s: float = 0.0, ewma: float = 0.2,
+                 rows: Callable[[int], int] | None = None) -> None:
         pts = sorted((int(n), float(t)) for n, t in points)
         if not pts or pts[0][0] < 1 or per_seq_s < 0:
             raise ValueError(f"need points with n >= 1 and per_seq_s >= 0, got {points}, {per_seq_s}")
@@ -199,6 +206,7 @@ class StepTimeModel:
         self.t = [t for _, t in pts]
         self.per_seq_s = per_seq_s
         self.ewma = ewma
+        self.rows = rows
         self._monotone(0)
 
     @classmethod
@@ -207,6 +215,15 @@ class StepTimeModel:
         return cls([(1, base_s + per_token_s), (max_tokens, base_s + per_token_s * max_tokens)])
 
     def tokens_s(self, n: float) -> float:
+        if self.rows is None:
+            return self._interp(n)
+        lo = math.floor(n)
+        t_lo = self._interp(self.rows(lo)) if lo >= 1 else self._interp(1)
+        if n == lo:
+            return t_lo
+        return t_lo + (self._interp(self.rows(lo + 1)) - t_lo) * (n - lo)
+
+    def _interp(self, n: float) -> float:
         ns, ts = self.n, self.t
         if len(ns) == 1:
             return ts[0] * max(n, 1) / ns[0] if n > ns[0] else ts[0]
@@ -220,6 +237,7 @@ class StepTimeModel:
         return self.tokens_s(n) + self.per_seq_s * max(b - 1, 0)
 
     def observe(self, n: int, b: int, seconds: float) -> None:
+        n = n if self.rows is None else self.rows(n)
         i = min(range(len(self.n)), key=lambda j: abs(math.log(self.n[j] / n)))
         if abs(math.log(self.n[i] / n)) > math.log(1.2):
             return

@@ -283,9 +283,10 @@ class Engine:
         holding `context_len` tokens of context. Runs before serving: every KV slot must be
         free. Each figure is the fastest of `repeats` passes after one warm-up pass.
 
-        The grid has the points where this model's cost changes slope: 1 (a lone decode
-        step), 2 and 16 (passes of 2-15 tokens are padded to 16 rows on CPU), then x1.5
-        steps up to `max_tokens` (default: a full batch at the controller's largest k).
+        The grid has 1 (a lone decode step), 2, 4, 8, 16, then x1.5 steps up to `max_tokens`
+        (default: a full batch at the controller's largest k), each rounded to the row count
+        the model pads its GEMMs to (`LlamaModel.gemm_rows`; the model prices every token
+        count at its padded size, so T is flat between them).
         """
         assert self.cache.num_used_slots == 0, "profile_step_time needs an idle engine"
         s = self.controller.settings
@@ -294,6 +295,9 @@ class Engine:
         grid = [1, 2, 4, 8, 16]
         while grid[-1] < limit:
             grid.append(int(grid[-1] * 1.5))
+        rows = getattr(self.model, "gemm_rows", None)
+        if rows is not None:
+            grid = sorted({rows(n) for n in grid})
         grid = [n for n in grid if n <= limit] or [1]
         slots = [self.cache.allocate() for _ in range(self.config.max_num_seqs)]
 
@@ -316,7 +320,7 @@ class Engine:
             self.model.forward(torch.zeros(b * context_len, dtype=torch.int64), slots, [context_len] * b, self.cache,
                                torch.tensor([b * context_len - 1], dtype=torch.int64))
             points = [(n, timed([n])) for n in grid]
-            model = StepTimeModel(points, ewma=s.timing_ewma)
+            model = StepTimeModel(points, ewma=s.timing_ewma, rows=rows)
             if b > 1:
                 model.per_seq_s = max((timed([1] * b) - model.tokens_s(b)) / (b - 1), 0.0)
         finally:

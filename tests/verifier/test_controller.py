@@ -48,6 +48,24 @@ def test_step_time_interpolates_and_stays_monotone():
     assert m(32) == pytest.approx(0.020) and m.per_seq_s == 0
 
 
+def test_step_time_prices_a_pass_at_its_padded_row_count():
+    # Rows as the CPU verifier pads them: 1, 2-4 -> 4, 5-8 -> 8, 9-16 -> 16, then x8.
+    def rows(n: int) -> int:
+        return n if n <= 1 else 4 if n <= 4 else 8 if n <= 8 else 16 if n <= 16 else -(-n // 8) * 8
+
+    m = StepTimeModel([(1, 0.070), (4, 0.075), (8, 0.085), (16, 0.100), (24, 0.130)], ewma=0.5, rows=rows)
+    assert [m(n) for n in (2, 3, 5, 9, 15, 17)] == pytest.approx([0.075, 0.075, 0.085, 0.100, 0.100, 0.130])
+    assert m(32) == pytest.approx(0.160)  # the last segment, extended: 130 + 30 * 8 / 8 ms
+    # An expected count between integers: between its neighbours' padded times.
+    assert m(4.25) == pytest.approx(0.075 + 0.25 * 0.010)
+    assert m(1.5) == pytest.approx(0.0725)
+    # A pass of 13 tokens ran at 16 rows: it corrects the point at 16 (100 -> 110 ms), not one
+    # nearer 13 by count.
+    m.observe(13, 1, 0.120)
+    assert m.points()[3] == (16, pytest.approx(0.110)) and m(9) == pytest.approx(0.110)
+    assert m.points()[2] == (8, pytest.approx(0.085))
+
+
 def test_step_time_splits_errors_between_tokens_and_sequences():
     m = StepTimeModel([(1, 0.010), (8, 0.012)], per_seq_s=0.002, ewma=0.5)
     assert m(8, b=8) == pytest.approx(0.012 + 7 * 0.002)  # 26 ms
@@ -162,8 +180,9 @@ def test_slow_proposer_is_named():
 
 
 # ---------------------------------------------------------------------- cheap methods: ask, then trim
-# The CPU verifier's shape: one token 76 ms, 2-16 tokens 131 ms (rows padded to 16), then
-# rising. Drafting 8 tokens costs as much as drafting 1.
+# A step-shaped T like the CPU verifier's: one token 76 ms, then a flat step where passes
+# pad their rows to 16 (here 2-16 tokens, 131 ms), then rising. Drafting 8 tokens costs as
+# much as drafting 1.
 STEP_SHAPED = StepTimeModel([(1, 0.076), (2, 0.131), (16, 0.131), (32, 0.200)])
 
 

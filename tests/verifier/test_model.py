@@ -24,7 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from verifier.errors import ModelLoadError
 from verifier.models.config import ModelConfig, RopeScaling, rope_attention_scaling, rope_inv_freq
-from verifier.models.llama import LlamaModel
+from verifier.models.llama import LlamaModel, gemm_rows, lm_head_rows
 from verifier.models.loader import load_model
 
 # fp32 logits of the bundled model vs HF on the same GGUF: measured max abs error 3e-5 to
@@ -153,21 +153,32 @@ def test_chunked_prefill_matches_one_shot(model, prompts):
     assert err < BATCH_ATOL, f"{err=}"
 
 
-def test_decode_steps_match_one_five_token_pass(model, prompts):
-    """A verification pass of 5 tokens (padded to MIN_GEMM_ROWS) equals 5 one-token decode
-    steps (unpadded), row for row."""
+@pytest.mark.parametrize("n, rows", [(2, 4), (5, 8), (9, 16), (17, 24)])
+def test_decode_steps_match_one_padded_pass(model, prompts, n, rows):
+    """A verification pass of n tokens (its GEMMs padded to `rows` rows, the LM head's
+    too) equals n one-token decode steps (GEMMs unpadded, LM head padded 1 -> 2), row for
+    row."""
+    assert model.gemm_rows(n) == rows
     token_ids = prompts["chat"]
-    prefix, tail = token_ids[:-5], token_ids[-5:]
+    prefix, tail = token_ids[:-n], token_ids[-n:]
     cache = model.new_cache(num_slots=2, max_len=len(token_ids))
     s_pass, s_steps = cache.allocate(), cache.allocate()
     for slot in (s_pass, s_steps):
         model.forward(ids_tensor(prefix), [slot], [len(prefix)], cache)
-    five = model.forward(ids_tensor(tail), [s_pass], [5], cache)
+    one_pass = model.forward(ids_tensor(tail), [s_pass], [n], cache)
     steps = torch.cat([model.forward(ids_tensor([t]), [s_steps], [1], cache) for t in tail])
+    assert one_pass.shape == steps.shape == (n, model.config.vocab_size)
     assert cache.lens[s_pass] == cache.lens[s_steps] == len(token_ids)
-    err = max_abs(five, steps)
+    err = max_abs(one_pass, steps)
     assert err < BATCH_ATOL, f"{err=}"
-    assert torch.equal(five.argmax(-1), steps.argmax(-1))
+    assert torch.equal(one_pass.argmax(-1), steps.argmax(-1))
+
+
+def test_gemm_rows_pads_to_the_fast_sizes():
+    # By hand from the rule: 1 stays, 2-4 -> 4, 5-8 -> 8, 9-16 -> 16, then multiples of 8.
+    assert [gemm_rows(n) for n in (1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 24, 25, 113)] == [
+        1, 4, 4, 4, 8, 8, 16, 16, 16, 24, 24, 32, 120]
+    assert [lm_head_rows(n) for n in (0, 1, 2, 3, 9)] == [0, 2, 4, 4, 16]
 
 
 # --- 3. the HF checkpoint-directory path on the same weights ---------------------------

@@ -4,9 +4,9 @@ One forward pass takes the new tokens of many sequences flattened into one row
 (`token_ids: [T]`), each sequence `i` contributing `num_tokens[i]` consecutive tokens that
 continue its KV-cache slot: prefill passes the whole prompt, a decode step 1 token, a
 verification round `[last, d1..dk]` (k + 1 tokens, k may differ per sequence and be 0).
-Linear layers run once over all T tokens (passes of 2-15 tokens padded to
-`MIN_GEMM_ROWS` rows, which is faster on CPU); attention runs per sequence against its
-own cache slot, so no sequence is padded to another's length.
+Linear layers run once over all T tokens (on CPU padded to `gemm_rows(T)` rows, the
+row counts MKL is fast at); attention runs per sequence against its own cache slot, so no
+sequence is padded to another's length.
 
 Weights are kept in HF layout (q/k rows ordered for `rotate_half` RoPE), fused as
 `wqkv` [(H + 2 Hkv) D, hidden] and `w_gate_up` [2 I, hidden] to halve the number of
@@ -47,11 +47,39 @@ class _SeqSpan:
     causal: bool
 
 
-# MKL's fp32 GEMM on this class of CPU (2 AVX2 cores) is slowest for 2..15 rows: measured
-# on a 30-layer stack of SmolLM2-135M's shapes, W @ x^T took 93 ms at 1 row, 150-220 ms at
-# 4-12 rows, but 117 ms at 16 rows. So passes of 2..15 tokens are padded to 16 rows: a
-# 5-position verification then costs ~1.25x a 1-position decode step instead of ~2x.
+# MKL's fp32 GEMM (W @ x^T) on this class of CPU (2 AVX2 cores) is fast only at some row
+# counts. Measured, fastest of 9, on SmolLM2-135M's shapes (30 layers' four linears | the
+# 49,152 x 576 LM head), ms:
+#   rows  1: 44 | 11.5    2: 45 | 6.8    3: 63 | 11.4    4: 46 | 7.4    8: 69 | 10.4
+#   rows 15: 113 | 32     16: 57 | 20     23: 126 | 34     24: 74-86 | 26
+#   rows 31: 135 | 36     32: 78 | 23     63: 181 | 56     64: 126 | 35
+# Odd counts and 9-15 rows are the slow cases; multiples of 8 (and 4) the fast ones.
 MIN_GEMM_ROWS = 16
+
+
+def gemm_rows(n: int) -> int:
+    """The row count a pass of n tokens runs its linear layers at on CPU: 1 stays 1, 2-4
+    rows pad to 4, 5-8 to 8, 9-16 to 16, more to the next multiple of 8. The padding rows
+    are dead (zero inputs, outputs dropped), so results are unchanged.
+
+    >>> [gemm_rows(n) for n in (1, 2, 5, 9, 16, 17, 113)]
+    [1, 4, 8, 16, 16, 24, 120]
+    """
+    if n <= 1:
+        return n
+    if n <= 4:
+        return 4
+    if n <= 8:
+        return 8
+    if n <= MIN_GEMM_ROWS:
+        return MIN_GEMM_ROWS
+    return -(-n // 8) * 8
+
+
+def lm_head_rows(n: int) -> int:
+    """Rows the LM head runs at for n wanted logits: as `gemm_rows`, but one row pads to
+    two (the single-row product takes MKL's GEMV path, 1.7x slower here)."""
+    return 2 if n == 1 else gemm_rows(n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,12 +112,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """Pad x [n, ...] with zero rows to MIN_GEMM_ROWS when 1 < n < MIN_GEMM_ROWS."""
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [n, ...] with zero rows appended up to `rows`."""
     n = x.shape[0]
-    if 1 < n < MIN_GEMM_ROWS:
-        return torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - n, *x.shape[1:])])
-    return x
+    return torch.cat([x, x.new_zeros(rows - n, *x.shape[1:])]) if rows > n else x
 
 
 def _grouped_attention(
@@ -148,6 +174,10 @@ class LlamaModel:
     def device(self) -> torch.device:
         return self.embed.device
 
+    def gemm_rows(self, n: int) -> int:
+        """Rows the linear layers run at for a pass of n tokens (padded on CPU only)."""
+        return gemm_rows(n) if self.device.type == "cpu" else n
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, num_slots, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device)
@@ -202,7 +232,9 @@ class LlamaModel:
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1)
         # [T_pad, hidden]; padding rows are dead
-        h = F.embedding(_pad_rows(token_ids.long()), self.embed) if input_embeds is None else _pad_rows(input_embeds)
+        rows = self.gemm_rows(T)
+        h = F.embedding(_pad_rows(token_ids.long(), rows), self.embed) if input_embeds is None else _pad_rows(
+            input_embeds, rows)
         for li, layer in enumerate(self.layers):
             x = h if layer.input_norm is None else rms_norm(h, layer.input_norm, c.rms_norm_eps)
             h = h + self._attention(li, layer, x, spans, positions, token_slots, cos, sin, cache)
@@ -213,12 +245,14 @@ class LlamaModel:
             cache.lens[span.slot] = span.kv_len
         if logits_index is None:
             logits_index = torch.arange(T)
-        # No padding here: the LM head (49,152 x 576) is fastest unpadded at 2-9 rows.
-        def final(rows: torch.Tensor) -> torch.Tensor:
-            x = h.index_select(0, rows)
+
+        def final(index: torch.Tensor) -> torch.Tensor:
+            x = h.index_select(0, index)
             return x if self.final_norm is None else rms_norm(x, self.final_norm, c.rms_norm_eps)
 
-        logits = linear(final(logits_index), self.lm_head).float()
+        R = logits_index.shape[0]
+        rows = lm_head_rows(R) if self.device.type == "cpu" else R
+        logits = linear(_pad_rows(final(logits_index), rows), self.lm_head)[:R].float()
         return logits if hidden_index is None else (logits, final(hidden_index))
 
     def _attention(
