@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import re
+import signal
 import statistics
 import sys
 import time
@@ -382,25 +383,47 @@ def _progress(done: int, total: int, workload: str, concurrency: int, mode: str,
 
 
 # ---------------------------------------------------------------------- the service
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it unwinds as Ctrl-C does."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` (a KeyboardInterrupt); the handler
+    before it is restored on the way out. So `kill PID` stops what the block started."""
+
+    def terminate(signum, frame):
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def local_service(config_path) -> Iterator[str]:
     """Start the service from `config_path` on a fresh local Ray cluster, yield its URL, and stop
-    the application, Serve and the Ray processes it started on the way out (Ctrl-C included)."""
+    the application, Serve and the Ray processes it started on the way out (Ctrl-C and SIGTERM
+    included)."""
     from cluster.config import load_config
     from cluster.service import deploy, init_ray, start_serve, stop, wait_healthy
 
     config = load_config(config_path)
     print("starting a local Ray cluster and the service ...", file=sys.stderr, flush=True)
     init_ray(None)
-    try:
-        http_port, _ = start_serve(HOST, 0, 0)
-        deploy(config, APP_NAME)
-        url = f"http://{HOST}:{http_port}"
-        wait_healthy(f"{url}/health", timeout_s=HEALTHY_TIMEOUT_S)
-        yield url
-    finally:
-        print("stopping the service ...", file=sys.stderr, flush=True)
-        stop(APP_NAME, owns_cluster=True)
+    # After ray.init, which installs a SIGTERM handler of its own.
+    with sigterm_interrupts():
+        try:
+            http_port, _ = start_serve(HOST, 0, 0)
+            deploy(config, APP_NAME)
+            url = f"http://{HOST}:{http_port}"
+            wait_healthy(f"{url}/health", timeout_s=HEALTHY_TIMEOUT_S)
+            yield url
+        finally:
+            print("stopping the service ...", file=sys.stderr, flush=True)
+            stop(APP_NAME, owns_cluster=True)
 
 
 # ---------------------------------------------------------------------- command line
@@ -418,9 +441,10 @@ def _main(args: argparse.Namespace) -> int:
             model = args.model or served_model(base)
             print(f"benchmarking {model} at {base}", file=sys.stderr, flush=True)
             rows = asyncio.run(run_bench(base, model, plan))
-    except KeyboardInterrupt:  # the service, if ours, is stopped by now
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the service, if ours, is stopped by now
         print("interrupted: nothing written", file=sys.stderr)
-        return 130  # 128 + SIGINT, as shells report it
+        # 128 + the signal, as shells report it
+        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

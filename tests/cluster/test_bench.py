@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 
 import pytest
 
 from cluster.bench import (
     RequestRecord,
+    Terminated,
     api_base,
     combine_repeats,
     parse_mode,
@@ -16,6 +20,7 @@ from cluster.bench import (
     record_from_stream,
     request_timings,
     rotated,
+    sigterm_interrupts,
     summarise_run,
 )
 from cluster.bench_report import best_modes, format_table, plot_rows
@@ -257,3 +262,24 @@ def test_bench_bad_arguments_exit_2(argv, capsys):
         build_parser().parse_args(["bench", *argv])
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_sigterm_unwinds_the_bench_like_ctrl_c():
+    """`splitspec bench --config` stops the service it started on SIGTERM too: within
+    `sigterm_interrupts` the signal raises Terminated (a KeyboardInterrupt) out of the
+    running event loop, `finally` blocks run, and the previous handler comes back."""
+    before = signal.getsignal(signal.SIGTERM)
+    unwound = []
+
+    async def bench_in_flight():
+        os.kill(os.getpid(), signal.SIGTERM)  # this test's own process
+        await asyncio.sleep(30)
+
+    with pytest.raises(Terminated) as exc:
+        with sigterm_interrupts():
+            try:
+                asyncio.run(bench_in_flight())
+            finally:
+                unwound.append(signal.getsignal(signal.SIGTERM) is not before)
+    assert isinstance(exc.value, KeyboardInterrupt) and exc.value.args == (signal.SIGTERM,)
+    assert unwound == [True] and signal.getsignal(signal.SIGTERM) is before
