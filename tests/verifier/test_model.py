@@ -140,6 +140,45 @@ def test_ragged_batch_matches_each_sequence_alone(model, prompts):
     assert err < BATCH_ATOL, f"logits_index {last_rows.tolist()}: {err=}"
 
 
+def test_grouped_decode_steps_match_each_sequence_alone(model, prompts):
+    """Five one-token decode steps (cache lengths 3 to 60, an idle slot among theirs) run
+    their attention as one batched product over the slot range; with a 3-token
+    continuation beside them (its own masked path) every row equals the sequence alone."""
+    from verifier.models.llama import DECODE_GROUP_MIN, _DecodeGroup
+
+    text = prompts["chat"] + prompts["code"]
+    prefix_lens = {0: 3, 1: 60, 2: 17, 4: 41, 5: 29, 6: 25}  # slot -> tokens already cached
+    new = {slot: text[n : n + (3 if slot == 6 else 1)] for slot, n in prefix_lens.items()}
+
+    alone = {}
+    for slot, n in prefix_lens.items():
+        cache = model.new_cache(num_slots=1, max_len=96)
+        s = cache.allocate()
+        model.forward(ids_tensor(text[:n]), [s], [n], cache)
+        alone[slot] = model.forward(ids_tensor(new[slot]), [s], [len(new[slot])], cache)
+
+    cache = model.new_cache(num_slots=8, max_len=96)
+    assert [cache.allocate() for _ in range(7)] == list(range(7))
+    cache.free(3)  # idle, inside the group's slot range
+    for slot, n in prefix_lens.items():
+        model.forward(ids_tensor(text[:n]), [slot], [n], cache)
+    slots = list(prefix_lens)
+    num_tokens = [len(new[s]) for s in slots]
+    assert sum(n == 1 for n in num_tokens) == 5 >= DECODE_GROUP_MIN
+    batched = model.forward(ids_tensor([t for s in slots for t in new[s]]), slots, num_tokens, cache)
+    assert cache.lens[:7] == [4, 61, 18, 0, 42, 30, 28]
+    err = max_abs(batched, torch.cat([alone[s] for s in slots]))
+    assert err < BATCH_ATOL, f"{err=}"
+    # The grouping itself: slots 0-5 (six, five members), each blocked past its own length.
+    from verifier.models.llama import _SeqSpan
+
+    spans = [_SeqSpan(s, i, 1, n, None, False) for i, (s, n) in enumerate([(0, 4), (1, 61), (2, 18), (4, 42)])]
+    group = _DecodeGroup.of(spans)
+    assert (group.lo, group.hi, group.kv_len) == (0, 5, 61)
+    assert group.blocked[:, 0, 0].sum(-1).tolist() == [61 - 4, 0, 61 - 18, 61 - 1, 61 - 42]
+    assert _DecodeGroup.of(spans[:3]) is None  # fewer than DECODE_GROUP_MIN
+
+
 def test_chunked_prefill_matches_one_shot(model, prompts):
     """Chunks [0:20] (causal from 0), [20:21] (decode path) and [21:72] (masked)."""
     token_ids = prompts["code"]

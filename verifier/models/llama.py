@@ -5,8 +5,9 @@ One forward pass takes the new tokens of many sequences flattened into one row
 continue its KV-cache slot: prefill passes the whole prompt, a decode step 1 token, a
 verification round `[last, d1..dk]` (k + 1 tokens, k may differ per sequence and be 0).
 Linear layers run once over all T tokens (on CPU padded to `gemm_rows(T)` rows, the
-row counts MKL is fast at); attention runs per sequence against its own cache slot, so no
-sequence is padded to another's length.
+row counts MKL is fast at); attention runs per sequence against its own cache slot, except
+that the one-token decode steps of a pass (4 or more) run theirs as one batched product over
+their slot range, masked past each slot's length (`_DecodeGroup`).
 
 Weights are kept in HF layout (q/k rows ordered for `rotate_half` RoPE), fused as
 `wqkv` [(H + 2 Hkv) D, hidden] and `w_gate_up` [2 I, hidden] to halve the number of
@@ -45,6 +46,48 @@ class _SeqSpan:
     kv_len: int  # cache length after this pass = start position + S
     blocked: torch.Tensor | None  # bool [S, kv_len], True = may not attend; None if S == 1 or causal
     causal: bool
+    grouped: bool = False  # its attention runs in the pass's `_DecodeGroup`
+
+
+@dataclasses.dataclass
+class _DecodeGroup:
+    """The one-token sequences of a pass whose attention runs as one batched product over
+    the cache's slot range [lo, hi) (a view, no copy), instead of one product each."""
+
+    lo: int
+    hi: int
+    kv_len: int  # the longest cache among them
+    slot_index: torch.Tensor  # int64 [m]: slot - lo of each member
+    token_index: torch.Tensor  # int64 [m]: its row in the flat batch
+    blocked: torch.Tensor  # bool [hi - lo, 1, 1, kv_len]: past each slot's length (idle slots: past 1)
+
+    @classmethod
+    def of(cls, spans: list[_SeqSpan]) -> "_DecodeGroup | None":
+        """Group the one-token spans when there are at least `DECODE_GROUP_MIN` of them and
+        they fill at least half of their slot range (idle slots in it cost compute)."""
+        members = [s for s in spans if s.num_tokens == 1]
+        if len(members) < DECODE_GROUP_MIN:
+            return None
+        lo = min(s.slot for s in members)
+        hi = max(s.slot for s in members) + 1
+        if hi - lo > 2 * len(members):
+            return None
+        lens = torch.ones(hi - lo, dtype=torch.int64)
+        for s in members:
+            s.grouped = True
+            lens[s.slot - lo] = s.kv_len
+        kv_len = int(lens.max())
+        blocked = (torch.arange(kv_len).unsqueeze(0) >= lens.unsqueeze(1)).view(hi - lo, 1, 1, kv_len)
+        return cls(lo, hi, kv_len, torch.tensor([s.slot - lo for s in members]),
+                   torch.tensor([s.token_start for s in members]), blocked)
+
+
+# One-token sequences in a pass from which their attention is batched. Measured here
+# (contexts of 100-500 positions, fastest of 4, whole passes): 4 sequences 95 ms against
+# 104 ms one by one, 8: 130 against 167, 32: 251 against 341; 24 decodes beside 8
+# verifications of 3 tokens: 370 against 419. The loop's small kernels per sequence and
+# layer cost more than the padding to the longest context.
+DECODE_GROUP_MIN = 4
 
 
 # MKL's fp32 GEMM (W @ x^T) on this class of CPU (2 AVX2 cores) is fast only at some row
@@ -143,6 +186,30 @@ def _grouped_attention(
     return o.view(Hkv, G, S, D).permute(2, 0, 1, 3).reshape(S, H, D)
 
 
+def _group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _DecodeGroup) -> torch.Tensor:
+    """One new query per member sequence against its own cache, all in two batched matmuls.
+
+    q: [T, H, D] (the pass's queries); k, v: one layer's cache [num_slots, Hkv, max_len, D].
+    Returns [m, H, D] for the members in `group.token_index` order; query head h reads kv
+    head h // G as in `_grouped_attention`.
+    """
+    _, H, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    n, m = group.hi - group.lo, group.token_index.shape[0]
+    k_r = k[group.lo : group.hi, :, : group.kv_len]  # [n, Hkv, L, D], a view
+    v_r = v[group.lo : group.hi, :, : group.kv_len]
+    qg = q.new_zeros(n, Hkv, G, D)
+    qg[group.slot_index] = q.index_select(0, group.token_index).view(m, Hkv, G, D)
+    scores = torch.matmul(qg, k_r.transpose(-1, -2)).mul_(D**-0.5)  # [n, Hkv, G, L]
+    scores.masked_fill_(group.blocked, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if probs.dtype != q.dtype:
+        probs = probs.to(q.dtype)
+    o = torch.matmul(probs, v_r)  # [n, Hkv, G, D]
+    return o.index_select(0, group.slot_index).view(m, H, D)
+
+
 class LlamaModel:
     """Inference-only decoder. Build with `verifier.models.loader.load_model`."""
 
@@ -229,6 +296,7 @@ class LlamaModel:
             spans.append(_SeqSpan(slot, offset, n, end, blocked, causal))
             offset += n
 
+        group = _DecodeGroup.of(spans)
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1)
         # [T_pad, hidden]; padding rows are dead
@@ -237,7 +305,7 @@ class LlamaModel:
             input_embeds, rows)
         for li, layer in enumerate(self.layers):
             x = h if layer.input_norm is None else rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            h = h + self._attention(li, layer, x, spans, positions, token_slots, cos, sin, cache)
+            h = h + self._attention(li, layer, x, spans, group, positions, token_slots, cos, sin, cache)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, layer.w_down)
@@ -261,6 +329,7 @@ class LlamaModel:
         layer: LayerWeights,
         x: torch.Tensor,
         spans: list[_SeqSpan],
+        group: _DecodeGroup | None,
         positions: torch.Tensor,
         token_slots: torch.Tensor,
         cos: torch.Tensor,
@@ -280,7 +349,11 @@ class LlamaModel:
         cache.k[li][token_slots, :, positions] = k
         cache.v[li][token_slots, :, positions] = v.reshape(T, Hkv, D)
         out = torch.zeros(x.shape[0], H, D, dtype=x.dtype)
+        if group is not None:
+            out[group.token_index] = _group_attention(q, cache.k[li], cache.v[li], group)
         for s in spans:
+            if s.grouped:
+                continue
             rows = slice(s.token_start, s.token_start + s.num_tokens)
             k_s = cache.k[li, s.slot, :, : s.kv_len]  # [Hkv, L, D]
             v_s = cache.v[li, s.slot, :, : s.kv_len]
