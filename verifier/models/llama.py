@@ -62,7 +62,7 @@ class _DecodeGroup:
     blocked: torch.Tensor  # bool [hi - lo, 1, 1, kv_len]: past each slot's length (idle slots: past 1)
 
     @classmethod
-    def of(cls, spans: list[_SeqSpan]) -> "_DecodeGroup | None":
+    def of(cls, spans: list[_SeqSpan], device: torch.device | str = "cpu") -> "_DecodeGroup | None":
         """Group the one-token spans when there are at least `DECODE_GROUP_MIN` of them and
         they fill at least half of their slot range (idle slots in it cost compute)."""
         members = [s for s in spans if s.num_tokens == 1]
@@ -78,8 +78,8 @@ class _DecodeGroup:
             lens[s.slot - lo] = s.kv_len
         kv_len = int(lens.max())
         blocked = (torch.arange(kv_len).unsqueeze(0) >= lens.unsqueeze(1)).view(hi - lo, 1, 1, kv_len)
-        return cls(lo, hi, kv_len, torch.tensor([s.slot - lo for s in members]),
-                   torch.tensor([s.token_start for s in members]), blocked)
+        return cls(lo, hi, kv_len, torch.tensor([s.slot - lo for s in members], device=device),
+                   torch.tensor([s.token_start for s in members], device=device), blocked.to(device))
 
 
 # One-token sequences in a pass from which their attention is batched. Measured here
@@ -296,7 +296,7 @@ class LlamaModel:
             spans.append(_SeqSpan(slot, offset, n, end, blocked, causal))
             offset += n
 
-        group = _DecodeGroup.of(spans)
+        group = _DecodeGroup.of(spans, self.device)
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1)
         # [T_pad, hidden]; padding rows are dead
