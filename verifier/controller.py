@@ -27,8 +27,8 @@ Worked example: one sequence, T(n) = 20 ms + 0.5 ms * n, L = 1 ms. k = 1 pays wh
 
 Cheap methods are asked first and trimmed after. Weighing a draft by p_i before knowing
 whether it comes spreads its cost over the step of T: on a CPU verifier a pass of 9-16
-tokens costs the same (rows padded to 16, `LlamaModel.gemm_rows`), so a draft that comes one round in ten is worth
-verifying in full, yet T(1 + 0.1 k) makes it look expensive. So a method whose round trip
+tokens costs the same (rows padded to 16, `LlamaModel.gemm_rows`), so a draft that comes
+one round in ten is worth verifying in full, yet T(1 + 0.1 k) makes it look expensive. So a method whose round trip
 is at most `shadow_latency_share` of T(1) (n-gram lookup) is asked for the whole cap
 whenever drafting pays for the sequence on its own given a draft; once the drafts are in,
 `trim` shares the pass out again by the same maximisation with p = 1 for the sequences that
