@@ -29,7 +29,7 @@ import logging
 import math
 import random
 import time
-from typing import AsyncIterator, Mapping, Sequence as Seq
+from typing import AsyncIterator, Callable, Mapping, Sequence as Seq
 
 import numpy as np
 import torch
@@ -139,6 +139,25 @@ def _draft_probs(probs, num_drafts: int, vocab: int) -> np.ndarray | None:
     if q.shape[1] < vocab:
         q = np.pad(q, ((0, 0), (0, vocab - q.shape[1])))
     return q
+
+
+def profile_grid(max_num_seqs: int, limit: int, rows: Callable[[int], int] | None = None) -> list[int]:
+    """Token counts at which `Engine.profile_step_time` times a pass: 1 (a lone decode
+    step), 2, 4, 8, 16, then steps of 8 up to twice max_num_seqs (a full batch of decode
+    steps, the commonest pass under load, and the sizes a few drafts take it to), then x1.5
+    steps, none above `limit`; each rounded to the row count the model pads its GEMMs to
+    (`rows`, `LlamaModel.gemm_rows`; the step-time model prices every token count at its
+    padded size, so T is flat between them).
+
+    >>> profile_grid(32, 300)
+    [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 144, 216]
+    """
+    grid = [1, 2, 4, 8, 16]
+    while grid[-1] < limit:
+        grid.append(grid[-1] + 8 if grid[-1] < 2 * max_num_seqs else int(grid[-1] * 1.5))
+    if rows is not None:
+        grid = sorted({rows(n) for n in grid})
+    return [n for n in grid if n <= limit] or [1]
 
 
 class Engine:
@@ -283,22 +302,15 @@ class Engine:
         holding `context_len` tokens of context. Runs before serving: every KV slot must be
         free. Each figure is the fastest of `repeats` passes after one warm-up pass.
 
-        The grid has 1 (a lone decode step), 2, 4, 8, 16, then x1.5 steps up to `max_tokens`
-        (default: a full batch at the controller's largest k), each rounded to the row count
-        the model pads its GEMMs to (`LlamaModel.gemm_rows`; the model prices every token
-        count at its padded size, so T is flat between them).
+        The grid is `profile_grid`'s, up to `max_tokens` (default: a full batch at the
+        controller's largest k).
         """
         assert self.cache.num_used_slots == 0, "profile_step_time needs an idle engine"
         s = self.controller.settings
         limit = min(max_tokens or self.config.max_num_seqs * (max(s.max_k, s.k) + 1),
                     self.config.max_model_len - context_len - 1)
-        grid = [1, 2, 4, 8, 16]
-        while grid[-1] < limit:
-            grid.append(int(grid[-1] * 1.5))
         rows = getattr(self.model, "gemm_rows", None)
-        if rows is not None:
-            grid = sorted({rows(n) for n in grid})
-        grid = [n for n in grid if n <= limit] or [1]
+        grid = profile_grid(self.config.max_num_seqs, limit, rows)
         slots = [self.cache.allocate() for _ in range(self.config.max_num_seqs)]
 
         def timed(lens: list[int]) -> float:

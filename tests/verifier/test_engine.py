@@ -10,7 +10,7 @@ import pytest
 
 from cluster.workloads import load_prompts
 from proposers.ngram import NgramProposer
-from verifier.engine import Engine, EngineConfig
+from verifier.engine import Engine, EngineConfig, profile_grid
 from verifier.errors import InvalidRequestError, OverloadedError
 from protos.proposal import Proposal
 from verifier.controller import Controller, ControllerSettings, Decision
@@ -341,6 +341,18 @@ def test_a_failing_step_fails_its_requests_and_frees_them(model, tokenizer, code
     with pytest.raises(RuntimeError, match="controller bug"):
         engine.generate_sync([code_prompt, chat_prompt], GREEDY)  # the second one is still waiting
     assert engine.num_running == 0 and engine.num_waiting == 0 and engine.cache.num_used_slots == 0
+
+
+def test_profile_grid_times_every_padded_size_up_to_twice_the_batch():
+    from verifier.models.llama import gemm_rows
+
+    # By hand: 1, 2, 4, 8, 16, then +8 while below 2 x 32 = 64, then x1.5 (96, 144, 216,
+    # 324 > 288 dropped); padded, 2 becomes 4 and every other point is already a fast size.
+    assert profile_grid(32, 288, gemm_rows) == [1, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 144, 216]
+    # Batch 8: +8 stops at 16 = 2 x 8, then 24, 36 -> 40, 54 -> 56, 81 > 72 dropped.
+    assert profile_grid(8, 72, gemm_rows) == [1, 4, 8, 16, 24, 40, 56]
+    assert profile_grid(8, 72) == [1, 2, 4, 8, 16, 24, 36, 54]  # no padding (a GPU model)
+    assert profile_grid(4, 0) == [1]
 
 
 def test_goodput_controller_on_the_real_model(model, tokenizer, code_prompt, chat_prompt, plain):

@@ -144,7 +144,7 @@ def test_grouped_decode_steps_match_each_sequence_alone(model, prompts):
     """Five one-token decode steps (cache lengths 3 to 60, an idle slot among theirs) run
     their attention as one batched product over the slot range; with a 3-token
     continuation beside them (its own masked path) every row equals the sequence alone."""
-    from verifier.models.llama import DECODE_GROUP_MIN, _DecodeGroup
+    from verifier.models.llama import GROUP_MIN, _SeqSpan, _SpanGroup
 
     text = prompts["chat"] + prompts["code"]
     prefix_lens = {0: 3, 1: 60, 2: 17, 4: 41, 5: 29, 6: 25}  # slot -> tokens already cached
@@ -164,19 +164,81 @@ def test_grouped_decode_steps_match_each_sequence_alone(model, prompts):
         model.forward(ids_tensor(text[:n]), [slot], [n], cache)
     slots = list(prefix_lens)
     num_tokens = [len(new[s]) for s in slots]
-    assert sum(n == 1 for n in num_tokens) == 5 >= DECODE_GROUP_MIN
+    assert sum(n == 1 for n in num_tokens) == 5 >= GROUP_MIN
     batched = model.forward(ids_tensor([t for s in slots for t in new[s]]), slots, num_tokens, cache)
     assert cache.lens[:7] == [4, 61, 18, 0, 42, 30, 28]
     err = max_abs(batched, torch.cat([alone[s] for s in slots]))
     assert err < BATCH_ATOL, f"{err=}"
-    # The grouping itself: slots 0-5 (six, five members), each blocked past its own length.
-    from verifier.models.llama import _SeqSpan
-
+    # The grouping itself: slots 0-4 (five, four members), each blocked past its own length.
     spans = [_SeqSpan(s, i, 1, n, None, False) for i, (s, n) in enumerate([(0, 4), (1, 61), (2, 18), (4, 42)])]
-    group = _DecodeGroup.of(spans)
-    assert (group.lo, group.hi, group.kv_len) == (0, 5, 61)
-    assert group.blocked[:, 0, 0].sum(-1).tolist() == [61 - 4, 0, 61 - 18, 61 - 1, 61 - 42]
-    assert _DecodeGroup.of(spans[:3]) is None  # fewer than DECODE_GROUP_MIN
+    group = _SpanGroup.of(spans)
+    assert (group.lo, group.hi, group.width, group.kv_len) == (0, 5, 1, 61)
+    assert group.blocked[:, 0, 0, 0].sum(-1).tolist() == [61 - 4, 0, 61 - 18, 61 - 1, 61 - 42]
+    assert _SpanGroup.of(spans[:3]) is None  # fewer than GROUP_MIN
+    # In the pass above the 3-token span stays out: at width 3 the six spans' 8 tokens
+    # fill 8 of 7 slots x 3 rows = 21 (less than half), at width 1 five fill 5 of 6.
+    spans = [_SeqSpan(s, sum(num_tokens[:i]), n, prefix_lens[s] + n, None, False)
+             for i, (s, n) in enumerate(zip(slots, num_tokens))]
+    group = _SpanGroup.of(spans)
+    assert (group.lo, group.hi, group.width) == (0, 6, 1)
+    assert [s.grouped for s in spans] == [True] * 5 + [False]
+
+
+def test_grouped_verification_spans_match_each_sequence_alone(model, prompts):
+    """Spans of 1-4 tokens continuing caches of 5-50 positions (an idle slot among them)
+    run their attention as one batched product, 4 query rows per slot, each row masked
+    to its own causal prefix; a 12-token prefill beside them keeps its own path. Every
+    row equals the sequence run alone."""
+    from verifier.models.llama import _SeqSpan, _SpanGroup
+
+    text = prompts["chat"] + prompts["code"]
+    prefix_lens = {0: 5, 1: 50, 2: 17, 4: 33, 5: 9, 6: 26, 7: 0}  # slot -> tokens already cached
+    widths = {0: 3, 1: 1, 2: 4, 4: 2, 5: 1, 6: 3, 7: 12}
+    new = {slot: text[n : n + widths[slot]] for slot, n in prefix_lens.items()}
+
+    alone = {}
+    for slot, n in prefix_lens.items():
+        cache = model.new_cache(num_slots=1, max_len=96)
+        s = cache.allocate()
+        if n:
+            model.forward(ids_tensor(text[:n]), [s], [n], cache)
+        alone[slot] = model.forward(ids_tensor(new[slot]), [s], [len(new[slot])], cache)
+
+    cache = model.new_cache(num_slots=8, max_len=96)
+    assert [cache.allocate() for _ in range(8)] == list(range(8))
+    cache.free(3)  # idle, inside the group's slot range
+    for slot, n in prefix_lens.items():
+        if n:
+            model.forward(ids_tensor(text[:n]), [slot], [n], cache)
+    slots = list(prefix_lens)
+    num_tokens = [widths[s] for s in slots]
+    batched = model.forward(ids_tensor([t for s in slots for t in new[s]]), slots, num_tokens, cache)
+    assert cache.lens == [8, 51, 21, 0, 35, 10, 29, 12]
+    err = max_abs(batched, torch.cat([alone[s] for s in slots]))
+    assert err < BATCH_ATOL, f"{err=}"
+    assert torch.equal(batched.argmax(-1), torch.cat([alone[s] for s in slots]).argmax(-1))
+
+    # The group, by hand: slots 0-6 (seven, six members), width 4 because their 14 tokens
+    # fill at least half of 7 x 4 rows; the prefill (12 > GROUP_MAX_WIDTH) stays out.
+    starts = [sum(num_tokens[:i]) for i in range(len(slots))]
+    spans = [_SeqSpan(s, t0, widths[s], prefix_lens[s] + widths[s], None, False) for s, t0 in zip(slots, starts)]
+    group = _SpanGroup.of(spans)
+    assert (group.lo, group.hi, group.width, group.kv_len) == (0, 7, 4, 51)
+    assert [s.grouped for s in spans] == [True] * 6 + [False]
+    assert group.slot_index.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 4, 4, 5, 6, 6, 6]
+    assert group.row_index.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 0, 1, 0, 0, 1, 2]
+    assert group.token_index.tolist() == list(range(14))
+    # Keys each row may attend: row j of slot 0 (5 cached) sees positions 0 .. 5 + j;
+    # dead rows (j past the span) and the idle slot 3 see key 0 only.
+    allowed = (~group.blocked[:, 0, 0]).sum(-1).tolist()
+    assert allowed == [[6, 7, 8, 1], [51, 1, 1, 1], [18, 19, 20, 21], [1, 1, 1, 1],
+                       [34, 35, 1, 1], [10, 1, 1, 1], [27, 28, 29, 1]]
+    # Two 5-token spans among six decodes (slots 0-7): at width 5 their 16 tokens fill
+    # less than half of 8 x 5 rows, so only the decodes group.
+    spans = [_SeqSpan(s, 0, 5 if s in (3, 7) else 1, 40, None, False) for s in range(8)]
+    group = _SpanGroup.of(spans)
+    assert (group.lo, group.hi, group.width) == (0, 7, 1)
+    assert sum(s.grouped for s in spans) == 6
 
 
 def test_chunked_prefill_matches_one_shot(model, prompts):

@@ -5,9 +5,10 @@ One forward pass takes the new tokens of many sequences flattened into one row
 continue its KV-cache slot: prefill passes the whole prompt, a decode step 1 token, a
 verification round `[last, d1..dk]` (k + 1 tokens, k may differ per sequence and be 0).
 Linear layers run once over all T tokens (on CPU padded to `gemm_rows(T)` rows, the
-row counts MKL is fast at); attention runs per sequence against its own cache slot, except
-that the one-token decode steps of a pass (4 or more) run theirs as one batched product over
-their slot range, masked past each slot's length (`_DecodeGroup`).
+row counts MKL is fast at). Attention runs against each sequence's own cache slot: the
+short spans of a pass (decode steps and verification rounds, 4 or more of them) as one
+batched product over their slot range, each query masked to its own causal prefix
+(`_SpanGroup`); prefills and any span left out of the group one sequence at a time.
 
 Weights are kept in HF layout (q/k rows ordered for `rotate_half` RoPE), fused as
 `wqkv` [(H + 2 Hkv) D, hidden] and `w_gate_up` [2 I, hidden] to halve the number of
@@ -46,48 +47,80 @@ class _SeqSpan:
     kv_len: int  # cache length after this pass = start position + S
     blocked: torch.Tensor | None  # bool [S, kv_len], True = may not attend; None if S == 1 or causal
     causal: bool
-    grouped: bool = False  # its attention runs in the pass's `_DecodeGroup`
+    grouped: bool = False  # its attention runs in the pass's `_SpanGroup`
 
 
 @dataclasses.dataclass
-class _DecodeGroup:
-    """The one-token sequences of a pass whose attention runs as one batched product over
-    the cache's slot range [lo, hi) (a view, no copy), instead of one product each."""
+class _SpanGroup:
+    """The short spans of a pass (decode steps and verification rounds, at most
+    `GROUP_MAX_WIDTH` tokens each) whose attention runs as one batched product over the
+    cache's slot range [lo, hi) (a view, no copy), instead of one product each.
+
+    Each slot of the range gets `width` query rows (the longest member span); member j's
+    query sits in row j of its slot, the other rows are dead (they attend key 0 only and
+    their outputs are dropped).
+    """
 
     lo: int
     hi: int
-    kv_len: int  # the longest cache among them
-    slot_index: torch.Tensor  # int64 [m]: slot - lo of each member
+    width: int  # W: query rows per slot
+    kv_len: int  # the longest cache among the members
+    slot_index: torch.Tensor  # int64 [m]: slot - lo of each member token
+    row_index: torch.Tensor  # int64 [m]: its query row in the slot, 0 .. W - 1
     token_index: torch.Tensor  # int64 [m]: its row in the flat batch
-    blocked: torch.Tensor  # bool [hi - lo, 1, 1, kv_len]: past each slot's length (idle slots: past 1)
+    blocked: torch.Tensor  # bool [hi - lo, 1, 1, W, kv_len]: True = may not attend
 
     @classmethod
-    def of(cls, spans: list[_SeqSpan], device: torch.device | str = "cpu") -> "_DecodeGroup | None":
-        """Group the one-token spans when there are at least `DECODE_GROUP_MIN` of them and
-        they fill at least half of their slot range (idle slots in it cost compute)."""
-        members = [s for s in spans if s.num_tokens == 1]
-        if len(members) < DECODE_GROUP_MIN:
+    def of(cls, spans: list[_SeqSpan], device: torch.device | str = "cpu") -> "_SpanGroup | None":
+        """Group the spans of at most W tokens, W the widest width (up to
+        `GROUP_MAX_WIDTH`) at which there are at least `GROUP_MIN` of them and their tokens
+        fill at least `GROUP_MIN_FILL` of the range's W query rows per slot (every slot of
+        the range, idle or not, costs W rows of attention). None when no width qualifies."""
+        widths = sorted({s.num_tokens for s in spans if s.num_tokens <= GROUP_MAX_WIDTH}, reverse=True)
+        for width in widths:
+            members = [s for s in spans if s.num_tokens <= width]
+            lo = min(s.slot for s in members)
+            hi = max(s.slot for s in members) + 1
+            if len(members) >= GROUP_MIN and sum(s.num_tokens for s in members) >= GROUP_MIN_FILL * (hi - lo) * width:
+                break
+        else:
             return None
-        lo = min(s.slot for s in members)
-        hi = max(s.slot for s in members) + 1
-        if hi - lo > 2 * len(members):
-            return None
-        lens = torch.ones(hi - lo, dtype=torch.int64)
+        kv_len = max(s.kv_len for s in members)
+        # last[slot, j]: the last key position query row j of the slot may attend;
+        # 0 for dead rows and idle slots.
+        last = torch.zeros(hi - lo, width, dtype=torch.int64)
+        slot_index, row_index, token_index = [], [], []
         for s in members:
             s.grouped = True
-            lens[s.slot - lo] = s.kv_len
-        kv_len = int(lens.max())
-        blocked = (torch.arange(kv_len).unsqueeze(0) >= lens.unsqueeze(1)).view(hi - lo, 1, 1, kv_len)
-        return cls(lo, hi, kv_len, torch.tensor([s.slot - lo for s in members], device=device),
-                   torch.tensor([s.token_start for s in members], device=device), blocked.to(device))
+            start = s.kv_len - s.num_tokens
+            last[s.slot - lo, : s.num_tokens] = torch.arange(start, s.kv_len)
+            slot_index += [s.slot - lo] * s.num_tokens
+            row_index += range(s.num_tokens)
+            token_index += range(s.token_start, s.token_start + s.num_tokens)
+        blocked = torch.arange(kv_len).view(1, 1, kv_len) > last.unsqueeze(-1)
+
+        def index(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+
+        return cls(lo, hi, width, kv_len, index(slot_index), index(row_index), index(token_index),
+                   blocked.view(hi - lo, 1, 1, width, kv_len).to(device))
 
 
-# One-token sequences in a pass from which their attention is batched. Measured here
-# (contexts of 100-500 positions, fastest of 4, whole passes): 4 sequences 95 ms against
-# 104 ms one by one, 8: 130 against 167, 32: 251 against 341; 24 decodes beside 8
-# verifications of 3 tokens: 370 against 419. The loop's small kernels per sequence and
-# layer cost more than the padding to the longest context.
-DECODE_GROUP_MIN = 4
+# Spans in a pass from which their attention is batched. Measured here (contexts of
+# 100-500 positions, whole passes): 4 decode steps 95 ms against 104 ms one by one, 8: 130
+# against 167, 32: 251 against 341 (fastest of 4). Verification spans too (median ratio of
+# 16 interleaved pairs, grouped / one by one): 8 rounds of 3 or 5 tokens 0.93, 32 of 3:
+# 0.83, 32 of 5: 0.90, 16 decodes + 16 rounds of 5: 0.91. The loop's small kernels per
+# sequence and layer cost more than the padding to the longest context and the widest
+# span, unless the group's rows are mostly padding: 6 decodes + 2 rounds of 5 grouped at
+# width 5 (16 of 40 rows) 1.03; 32 decodes + 3 rounds of 8 (29 + 24 of 256 rows) 390 ms
+# against 339 ms with the rounds left out. Hence `GROUP_MIN_FILL`.
+GROUP_MIN = 4
+# The share of a group's query rows (slots x width) its members must fill.
+GROUP_MIN_FILL = 0.5
+# The widest span that joins a group: a verification round of k = 8 (every slot of the
+# range pays W query rows, so a prefill chunk must not widen it).
+GROUP_MAX_WIDTH = 9
 
 
 # MKL's fp32 GEMM (W @ x^T) on this class of CPU (2 AVX2 cores) is fast only at some row
@@ -186,28 +219,29 @@ def _grouped_attention(
     return o.view(Hkv, G, S, D).permute(2, 0, 1, 3).reshape(S, H, D)
 
 
-def _group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _DecodeGroup) -> torch.Tensor:
-    """One new query per member sequence against its own cache, all in two batched matmuls.
+def _group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _SpanGroup) -> torch.Tensor:
+    """The members' queries against their own caches, all in two batched matmuls.
 
     q: [T, H, D] (the pass's queries); k, v: one layer's cache [num_slots, Hkv, max_len, D].
-    Returns [m, H, D] for the members in `group.token_index` order; query head h reads kv
-    head h // G as in `_grouped_attention`.
+    Returns [m, H, D] for the member tokens in `group.token_index` order; query head h
+    reads kv head h // G as in `_grouped_attention`.
     """
     _, H, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
-    n, m = group.hi - group.lo, group.token_index.shape[0]
+    n, W, m = group.hi - group.lo, group.width, group.token_index.shape[0]
     k_r = k[group.lo : group.hi, :, : group.kv_len]  # [n, Hkv, L, D], a view
     v_r = v[group.lo : group.hi, :, : group.kv_len]
-    qg = q.new_zeros(n, Hkv, G, D)
-    qg[group.slot_index] = q.index_select(0, group.token_index).view(m, Hkv, G, D)
-    scores = torch.matmul(qg, k_r.transpose(-1, -2)).mul_(D**-0.5)  # [n, Hkv, G, L]
-    scores.masked_fill_(group.blocked, float("-inf"))
+    qg = q.new_zeros(n, Hkv, G, W, D)
+    # Advanced indices on dims 0 and 3 -> the indexed view is [m, Hkv, G, D].
+    qg[group.slot_index, :, :, group.row_index] = q.index_select(0, group.token_index).view(m, Hkv, G, D)
+    scores = torch.matmul(qg.view(n, Hkv, G * W, D), k_r.transpose(-1, -2)).mul_(D**-0.5)
+    scores = scores.view(n, Hkv, G, W, -1).masked_fill_(group.blocked, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     if probs.dtype != q.dtype:
         probs = probs.to(q.dtype)
-    o = torch.matmul(probs, v_r)  # [n, Hkv, G, D]
-    return o.index_select(0, group.slot_index).view(m, H, D)
+    o = torch.matmul(probs.view(n, Hkv, G * W, -1), v_r).view(n, Hkv, G, W, D)
+    return o[group.slot_index, :, :, group.row_index].reshape(m, H, D)
 
 
 class LlamaModel:
@@ -296,7 +330,7 @@ class LlamaModel:
             spans.append(_SeqSpan(slot, offset, n, end, blocked, causal))
             offset += n
 
-        group = _DecodeGroup.of(spans, self.device)
+        group = _SpanGroup.of(spans, self.device)
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1)
         # [T_pad, hidden]; padding rows are dead
@@ -329,7 +363,7 @@ class LlamaModel:
         layer: LayerWeights,
         x: torch.Tensor,
         spans: list[_SeqSpan],
-        group: _DecodeGroup | None,
+        group: _SpanGroup | None,
         positions: torch.Tensor,
         token_slots: torch.Tensor,
         cos: torch.Tensor,
