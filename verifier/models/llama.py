@@ -194,6 +194,12 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - n, *x.shape[1:])]) if rows > n else x
 
 
+def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the last dim in float32 (as HF does), cast back to the model's dtype."""
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return probs if probs.dtype == dtype else probs.to(dtype)
+
+
 def _grouped_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None
 ) -> torch.Tensor:
@@ -212,9 +218,7 @@ def _grouped_attention(
     scores = torch.baddbmm(qg.new_empty(()), qg, k.transpose(1, 2), beta=0.0, alpha=D**-0.5)  # [Hkv, G*S, L]
     if blocked is not None:
         scores = scores.view(Hkv, G, S, L).masked_fill(blocked, float("-inf")).view(Hkv, G * S, L)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    if probs.dtype != q.dtype:
-        probs = probs.to(q.dtype)
+    probs = _softmax(scores, q.dtype)
     o = torch.bmm(probs, v)  # [Hkv, G*S, D]
     return o.view(Hkv, G, S, D).permute(2, 0, 1, 3).reshape(S, H, D)
 
@@ -237,9 +241,7 @@ def _group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _
     qg[group.slot_index, :, :, group.row_index] = q.index_select(0, group.token_index).view(m, Hkv, G, D)
     scores = torch.matmul(qg.view(n, Hkv, G * W, D), k_r.transpose(-1, -2)).mul_(D**-0.5)
     scores = scores.view(n, Hkv, G, W, -1).masked_fill_(group.blocked, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    if probs.dtype != q.dtype:
-        probs = probs.to(q.dtype)
+    probs = _softmax(scores, q.dtype)
     o = torch.matmul(probs.view(n, Hkv, G * W, -1), v_r).view(n, Hkv, G, W, D)
     return o[group.slot_index, :, :, group.row_index].reshape(m, H, D)
 
@@ -278,6 +280,10 @@ class LlamaModel:
     def gemm_rows(self, n: int) -> int:
         """Rows the linear layers run at for a pass of n tokens (padded on CPU only)."""
         return gemm_rows(n) if self.device.type == "cpu" else n
+
+    def lm_head_rows(self, n: int) -> int:
+        """Rows the LM head runs at for n wanted logits (padded on CPU only)."""
+        return lm_head_rows(n) if self.device.type == "cpu" else n
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.config
@@ -353,8 +359,7 @@ class LlamaModel:
             return x if self.final_norm is None else rms_norm(x, self.final_norm, c.rms_norm_eps)
 
         R = logits_index.shape[0]
-        rows = lm_head_rows(R) if self.device.type == "cpu" else R
-        logits = linear(_pad_rows(final(logits_index), rows), self.lm_head)[:R].float()
+        logits = linear(_pad_rows(final(logits_index), self.lm_head_rows(R)), self.lm_head)[:R].float()
         return logits if hidden_index is None else (logits, final(hidden_index))
 
     def _attention(
