@@ -89,6 +89,10 @@ class EngineStats:
     num_shadow_tokens: int = 0
     num_shadow_matched: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    #: Seconds spent choosing k and waiting for the proposers before each pass, and in the
+    #: passes themselves (forward and acceptance): the rest of the wall time is the loop's.
+    propose_s: float = 0.0
+    pass_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -449,8 +453,11 @@ class Engine:
         # Running from now on, so that a failing step reaches their clients too.
         self._running.extend(admitted)
         works = [_Work(s, list(s.prompt_token_ids), np.zeros(0, np.int32), None) for s in admitted]
+        start = time.perf_counter()
         works += await self._plan_and_propose(running, sum(len(w.input_token_ids) for w in works), len(works))
+        self.stats.propose_s += time.perf_counter() - start
         seconds = await asyncio.get_running_loop().run_in_executor(self._worker, self._execute, works)
+        self.stats.pass_s += seconds
         if self._shadow_calls:  # shadow-only proposer calls made beside the pass
             await asyncio.gather(*self._shadow_calls)
             self._shadow_calls = []

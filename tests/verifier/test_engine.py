@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import numpy as np
 import pytest
@@ -227,8 +228,13 @@ def test_controller_flipping_method_and_k_every_round_stays_exact(model, tokeniz
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512),
                     {"ngram": NgramProposer(), "random": _RandomProposer(model.config.vocab_size, seed=3)},
                     controller)
+    start = time.perf_counter()
     results = engine.generate_sync(prompts, GREEDY)
+    wall = time.perf_counter() - start
     assert [r.token_ids for r in results] == expected
+    # The time split: passes and proposer waits both happened, inside the call's wall time.
+    assert engine.stats.pass_s > 0 and engine.stats.propose_s > 0
+    assert engine.stats.pass_s + engine.stats.propose_s < wall
     # Both methods and every k were really used, and drafts were accepted.
     assert {m for m, _ in controller.seen} == {None, "ngram", "random"}
     assert {k for _, k in controller.seen} == {0, 1, 3, 8}
