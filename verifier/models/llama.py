@@ -45,7 +45,8 @@ class _SeqSpan:
     token_start: int  # first index in the flat batch
     num_tokens: int  # S
     kv_len: int  # cache length after this pass = start position + S
-    blocked: torch.Tensor | None  # bool [S, kv_len], True = may not attend; None if S == 1 or causal
+    blocked: torch.Tensor | None  # bool [S, kv_len], True = may not attend; set only for a span that
+    # attends on its own, S > 1 and not causal (None otherwise)
     causal: bool
     grouped: bool = False  # its attention runs in the pass's `_SpanGroup`
 
@@ -328,15 +329,15 @@ class LlamaModel:
             assert end <= cache.max_len, f"{slot=} needs {end} positions, cache holds {cache.max_len}"
             positions[offset : offset + n] = torch.arange(start, end)
             token_slots[offset : offset + n] = slot
-            blocked = None
-            causal = n > 1 and start == 0
-            if n > 1 and start > 0:
-                # query j sits at position start + j and may attend keys 0 .. start + j
-                blocked = torch.arange(end).unsqueeze(0) > positions[offset : offset + n].unsqueeze(1)
-            spans.append(_SeqSpan(slot, offset, n, end, blocked, causal))
+            spans.append(_SeqSpan(slot, offset, n, end, None, n > 1 and start == 0))
             offset += n
 
         group = _SpanGroup.of(spans, self.device)
+        for s in spans:  # the spans attending one by one: a continuation's causal mask
+            if not s.grouped and s.num_tokens > 1 and not s.causal:
+                # query j sits at position start + j and may attend keys 0 .. start + j
+                rows = positions[s.token_start : s.token_start + s.num_tokens]
+                s.blocked = torch.arange(s.kv_len).unsqueeze(0) > rows.unsqueeze(1)
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1)
         # [T_pad, hidden]; padding rows are dead
