@@ -153,13 +153,15 @@ def _train(args: argparse.Namespace) -> int:
 
     import torch
 
-    from proposers.train import BUNDLED_DRAFT_DIR, BUNDLED_EAGLE_DIR, TrainDraftConfig, train_draft
+    from proposers.train import (BUNDLED_DRAFT_DIR, BUNDLED_EAGLE_DIR, TrainDraftConfig, fill_answer_cache,
+                                 train_draft)
     from proposers.train_eagle import TrainEagleConfig, train_eagle
     from verifier.models.loader import load_model_and_tokenizer
 
     config_cls, recipe, default_out = {
         "draft": (TrainDraftConfig, train_draft, BUNDLED_DRAFT_DIR),
         "eagle": (TrainEagleConfig, train_eagle, BUNDLED_EAGLE_DIR),
+        "answers": (TrainDraftConfig, None, None),
     }[args.what]
     overrides = {}
     for f in dataclasses.fields(config_cls):
@@ -172,8 +174,12 @@ def _train(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"train {args.what}", str(exc)) from None
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = pathlib.Path(args.out) if args.out else default_out
+    if args.what == "answers":
+        target, tokenizer = load_model_and_tokenizer(None, None, "float32")
+        print(json.dumps(fill_answer_cache(target, tokenizer, cfg, "bundled")))
+        return 0
     target, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, "float32")
+    out = pathlib.Path(args.out) if args.out else default_out
     bad = [i for i in cfg.init_layers if not 0 <= i < target.config.num_layers]
     if bad:
         raise InvalidRequestError("init-layers", f"{bad} not in [0, {target.config.num_layers})")
@@ -191,23 +197,33 @@ def _add_train_parser(sub) -> None:
 
     t = sub.add_parser("train", help="train a proposer for the target on this machine")
     tsub = t.add_subparsers(dest="what", required=True)
+    answer_fields = {"num_prompts", "num_docstring_prompts", "num_function_prompts", "max_answer_tokens",
+                     "generate_batch", "seed"}
     for what, config_cls, helptext in (
         ("draft", TrainDraftConfig, "distil a small draft model from the target (proposers/train.py)"),
         ("eagle", TrainEagleConfig, "distil an EAGLE head from the target (proposers/train_eagle.py)"),
+        ("answers", TrainDraftConfig, "generate the bundled target's answers to the recipe's prompts into the "
+                                      "repo's answer cache, without training"),
     ):
         d = tsub.add_parser(what, help=helptext)
-        d.add_argument("--model", default=None, help="the target: a .gguf file or HF directory (default: bundled)")
-        d.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: from the model)")
-        d.add_argument("--out", default=None,
-                       help=f"output directory (default: the bundled {what}'s, under proposers/assets/)")
-        d.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt and OUT/corpus.pt")
+        if what != "answers":  # the answer cache is the bundled target's
+            d.add_argument("--model", default=None, help="the target: a .gguf file or HF directory (default: bundled)")
+            d.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: from the model)")
+            d.add_argument("--out", default=None,
+                           help=f"output directory (default: the bundled {what}'s, under proposers/assets/)")
+            d.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt and OUT/corpus.pt")
         d.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
         defaults = config_cls()
         for f in dataclasses.fields(config_cls):
+            if what == "answers" and f.name not in answer_fields:
+                continue
             flag = "--" + f.name.replace("_", "-")
             default = getattr(defaults, f.name)
             if f.name == "init_layers":
                 d.add_argument(flag, type=int, nargs="+", default=None, help=f"default {' '.join(map(str, default))}")
+            elif isinstance(default, bool):
+                d.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"default {'on' if default else 'off'}")
             else:
                 d.add_argument(flag, type=str if default is None else type(default), default=None,
                                help=f"default {default}")

@@ -10,6 +10,13 @@ The recipe (every step is deterministic for a given seed, corpus and thread coun
    - chunks of standard-library source, labelled with the target's argmax at each
      position (teacher forcing), so the draft also learns the target on code.
    A few answers are held out to measure top-1 agreement with the target.
+   The answers come from the serving engine itself (`engine_answers`: continuous batching
+   and n-gram speculation, whose greedy output is the target's own tokens). They are the
+   costly part of a recipe, so those of the bundled target are kept in the repo
+   (`proposers/data/target_answers.jsonl.gz`, `AnswerCache`): a run generates only the
+   answers the file lacks and adds them to it (`splitspec train answers` does only that).
+   The file also pins them: batch composition can flip a token where the target's top two
+   logits tie within float rounding, so two fresh runs may differ there.
 2. **Vocabulary subset**: the `vocab_subset` ids the target emits most often in that corpus
    (plus its EOS ids), as in FR-Spec / EAGLE-3. The draft's LM head has one row per subset
    id, so a draft step costs a fraction of a full 49,152-row head; its argmax column c is
@@ -31,6 +38,7 @@ The recipe (every step is deterministic for a given seed, corpus and thread coun
 from __future__ import annotations
 
 import ast
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -58,6 +66,8 @@ PROMPTS_PATH = pathlib.Path(__file__).parent / "data" / "train_prompts.jsonl"
 BUNDLED_DRAFT_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-draft"
 BUNDLED_EAGLE_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-eagle"
 CONFIG_FILE, WEIGHTS_FILE, INFO_FILE = "config.json", "model.safetensors", "train_info.json"
+#: The bundled target's greedy answers to the training prompts (`AnswerCache`), kept in the repo.
+ANSWERS_PATH = pathlib.Path(__file__).parent / "data" / "target_answers.jsonl.gz"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +97,9 @@ class TrainDraftConfig:
     eval_every: int = 40
     generate_batch: int = 32
     seed: int = 0
+    #: Read and extend the repo's cache of the bundled target's answers (`ANSWERS_PATH`);
+    #: off, or for another target, every answer is generated.
+    answer_cache: bool = True
 
     def __post_init__(self) -> None:
         if not self.init_layers:
@@ -95,6 +108,10 @@ class TrainDraftConfig:
                      "source_chunk", "checkpoint_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_prompts", "num_docstring_prompts", "num_function_prompts", "source_tokens",
+                     "eval_sequences", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 # ---------------------------------------------------------------------------- corpus
@@ -144,39 +161,41 @@ def load_prompt_set(path: pathlib.Path = PROMPTS_PATH) -> list[list[dict]]:
     return [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
 
 
-@torch.inference_mode()
-def greedy_answers(model: LlamaModel, prompts: list[list[int]], eos_ids: set[int], max_tokens: int,
-                   batch: int, progress=None) -> list[list[int]]:
-    """The target's greedy continuation of each prompt (up to and including an EOS id),
-    `batch` prompts at a time through the ragged forward pass."""
-    answers: list[list[int]] = [[] for _ in prompts]
-    max_len = max(len(p) for p in prompts) + max_tokens + 1
-    cache = model.new_cache(batch, max_len)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths together
-    for start in range(0, len(order), batch):
-        group = order[start : start + batch]
-        slots = [cache.allocate() for _ in group]
-        lens = [len(prompts[i]) for i in group]
-        flat = torch.tensor([t for i in group for t in prompts[i]], dtype=torch.int64)
-        logits = model.forward(flat, slots, lens, cache, torch.tensor(np.cumsum(lens) - 1))
-        alive = list(range(len(group)))
-        nxt = logits.argmax(-1).tolist()
-        while alive:
-            still = []
-            for a, token in zip(alive, nxt):
-                answers[group[a]].append(token)
-                if token not in eos_ids and len(answers[group[a]]) < max_tokens:
-                    still.append(a)
-            alive = still
-            if not alive:
-                break
-            feed = torch.tensor([answers[group[a]][-1] for a in alive], dtype=torch.int64)
-            nxt = model.forward(feed, [slots[a] for a in alive], [1] * len(alive), cache).argmax(-1).tolist()
-        for s in slots:
-            cache.free(s)
+def answer_engine(model: LlamaModel, tokenizer: Tokenizer, batch: int, max_model_len: int, max_waiting: int,
+                  controller=None):
+    """The serving engine that writes the corpus answers: `batch` slots, n-gram drafts under
+    `controller` (default: the goodput controller, which profiles the step time first)."""
+    from proposers.ngram import NgramProposer
+    from verifier.controller import Controller, ControllerSettings
+    from verifier.engine import Engine, EngineConfig
+
+    controller = controller or Controller(ControllerSettings(policy="goodput"), ("ngram",))
+    config = EngineConfig(max_num_seqs=batch, max_model_len=max_model_len, max_waiting=max_waiting)
+    return Engine(model, tokenizer, config, {"ngram": NgramProposer()}, controller)
+
+
+def engine_answers(engine, prompts: list[list[int]], max_tokens: int, progress=None) -> list[list[int]]:
+    """The target's greedy continuation of each prompt (up to and including an EOS id, at
+    most `max_tokens`), made by the serving engine (`answer_engine`): continuous batching,
+    n-gram speculation. Greedy speculation emits exactly the target's own tokens; keeping
+    every slot busy and drafting what the answers quote makes a prompt set faster than
+    plain batched decoding."""
+    from verifier.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+    async def one(prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(prompt, params):
+            tokens.extend(out.token_ids)
         if progress is not None:
-            progress(len(group))
-    return answers
+            progress(1)
+        return tokens
+
+    async def run() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(run()) if prompts else []
 
 
 @torch.inference_mode()
@@ -211,6 +230,103 @@ def source_chunks(tokenizer: Tokenizer, num_tokens: int, chunk: int, rng: np.ran
     return chunks
 
 
+class AnswerCache:
+    """A target's greedy answers by prompt, in a gzip JSON-lines file.
+
+    Line 1 is `{"model": ID}` (the bundled target: `bundled:<GGUF sha256>`); then one
+    `{"prompt_sha256": ..., "max_tokens": N, "answer": [ids]}` per prompt, where the prompt
+    is the hash of its token ids (chat template applied) and the answer its greedy
+    continuation, stopped at an EOS id (kept) or after N tokens. A file written for another
+    model is ignored and replaced on `save`.
+
+    A greedy answer's first n tokens are the answer at max_tokens n, so an entry serves any
+    request for at most its own N tokens (or any N at all, if it ended at an EOS)."""
+
+    def __init__(self, path: pathlib.Path, model_id: str, eos_ids) -> None:
+        self.path, self.model_id, self.eos_ids = pathlib.Path(path), model_id, set(eos_ids)
+        self._entries: dict[str, tuple[int, list[int]]] = {}
+        if self.path.is_file():
+            import gzip
+
+            with gzip.open(self.path, "rt", encoding="utf-8") as f:
+                lines = [json.loads(line) for line in f if line.strip()]
+            if lines and lines[0].get("model") == model_id:
+                for e in lines[1:]:
+                    self._entries[e["prompt_sha256"]] = (int(e["max_tokens"]), list(e["answer"]))
+
+    @staticmethod
+    def key(prompt: list[int]) -> str:
+        return hashlib.sha256(np.asarray(prompt, dtype=np.int64).tobytes()).hexdigest()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, prompt: list[int], max_tokens: int) -> list[int] | None:
+        entry = self._entries.get(self.key(prompt))
+        if entry is None:
+            return None
+        n, answer = entry
+        ended = bool(answer) and answer[-1] in self.eos_ids
+        if max_tokens <= n or ended:
+            return answer[:max_tokens]
+        return None  # shorter than asked for, and not finished
+
+    def put(self, prompt: list[int], max_tokens: int, answer: list[int]) -> None:
+        k = self.key(prompt)
+        old = self._entries.get(k)
+        if old is None or max_tokens >= old[0]:
+            self._entries[k] = (max_tokens, list(answer))
+
+    def save(self) -> None:
+        """Write the file whole (entries sorted by key, gzip without a timestamp), atomically."""
+        import gzip
+        import os
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz:
+            lines = [{"model": self.model_id}] + [{"prompt_sha256": k, "max_tokens": n, "answer": a}
+                                                  for k, (n, a) in sorted(self._entries.items())]
+            gz.write("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode())
+        os.replace(tmp, self.path)
+
+
+def bundled_answer_cache(base: str, cfg: "TrainDraftConfig", eos_ids) -> AnswerCache | None:
+    """The repo's answer cache when the recipe asks for it and the target is the bundled model."""
+    if not cfg.answer_cache or base != "bundled":
+        return None
+    from verifier.models.bundled import BUNDLED_SHA256
+
+    return AnswerCache(ANSWERS_PATH, f"bundled:{BUNDLED_SHA256}", eos_ids)
+
+
+def cached_greedy_answers(model: LlamaModel, tokenizer: Tokenizer, prompts: list[list[int]], max_tokens: int,
+                          batch: int, cache: AnswerCache | None, progress=None,
+                          controller=None) -> tuple[list[list[int]], int]:
+    """The target's greedy answers (`engine_answers`), taking what `cache` holds and adding
+    the rest to it (saved after every `8 * batch` new answers, so an interrupted run keeps
+    its work). Returns the answers and how many came from the cache."""
+    answers = [None if cache is None else cache.get(p, max_tokens) for p in prompts]
+    hits = sum(a is not None for a in answers)
+    if progress is not None and hits:
+        progress(hits)
+    missing = [i for i, a in enumerate(answers) if a is None]
+    if not missing:
+        return answers, hits
+    engine = answer_engine(model, tokenizer, batch, max(len(prompts[i]) for i in missing) + max_tokens + 16,
+                           len(missing), controller)
+    step = 8 * batch if cache is not None else len(missing)
+    for start in range(0, len(missing), step):
+        chunk = missing[start : start + step]
+        for i, a in zip(chunk, engine_answers(engine, [prompts[i] for i in chunk], max_tokens, progress)):
+            answers[i] = a
+            if cache is not None:
+                cache.put(prompts[i], max_tokens, a)
+        if cache is not None:
+            cache.save()
+    return answers, hits
+
+
 @dataclasses.dataclass
 class Corpus:
     #: Training sequences: token ids, and per position the target's next token (-1: no loss).
@@ -219,17 +335,43 @@ class Corpus:
     stats: dict
 
 
-def build_corpus(model: LlamaModel, tokenizer: Tokenizer, cfg: TrainDraftConfig, log=print) -> Corpus:
-    rng = np.random.default_rng(cfg.seed)
+def recipe_prompts(tokenizer: Tokenizer, cfg: TrainDraftConfig, rng: np.random.Generator) -> list[list[int]]:
+    """The recipe's prompts as token ids (chat template applied): the first `num_prompts`
+    of the repo's prompt set (all when 0), then the standard-library prompts drawn by `rng`."""
     convs = load_prompt_set()
     if cfg.num_prompts:
         convs = convs[: cfg.num_prompts]
     texts = [c[0]["content"] for c in convs] + stdlib_prompts(cfg.num_docstring_prompts, cfg.num_function_prompts, rng)
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+
+
+def fill_answer_cache(target: LlamaModel, tokenizer: Tokenizer, cfg: TrainDraftConfig, base: str,
+                      log=print) -> dict:
+    """`splitspec train answers`: generate the recipe's answers that the repo's cache lacks
+    and add them to it, without training (answers are the slow part of a recipe, so they
+    can be made ahead, e.g. for more prompts than the last run used)."""
+    cache = bundled_answer_cache(base, cfg, tokenizer.eos_token_ids)
+    if cache is None:
+        raise ValueError("the answer cache holds the bundled target's answers only (and answer_cache must be on)")
+    prompts = recipe_prompts(tokenizer, cfg, np.random.default_rng(cfg.seed))
     t0 = time.perf_counter()
     bar = _Progress(len(prompts), "target answers", log)
-    answers = greedy_answers(model, prompts, set(tokenizer.eos_token_ids), cfg.max_answer_tokens,
-                             cfg.generate_batch, bar.update)
+    answers, hits = cached_greedy_answers(target, tokenizer, prompts, cfg.max_answer_tokens, cfg.generate_batch,
+                                          cache, bar.update)
+    bar.close()
+    return {"prompts": len(prompts), "cached": hits, "generated": len(prompts) - hits,
+            "answer_tokens": sum(len(a) for a in answers), "cache_entries": len(cache),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def build_corpus(model: LlamaModel, tokenizer: Tokenizer, cfg: TrainDraftConfig, log=print,
+                 answer_cache: AnswerCache | None = None) -> Corpus:
+    rng = np.random.default_rng(cfg.seed)
+    prompts = recipe_prompts(tokenizer, cfg, rng)
+    t0 = time.perf_counter()
+    bar = _Progress(len(prompts), "target answers", log)
+    answers, cached = cached_greedy_answers(model, tokenizer, prompts, cfg.max_answer_tokens, cfg.generate_batch,
+                                            answer_cache, bar.update)
     bar.close()
     t_answers = time.perf_counter() - t0
     seqs = []
@@ -250,6 +392,7 @@ def build_corpus(model: LlamaModel, tokenizer: Tokenizer, cfg: TrainDraftConfig,
         "prompts": len(prompts),
         "answer_tokens": sum(len(a) for a in answers),
         "answers_s": round(t_answers, 1),
+        "answers_cached": cached,
         "source_tokens": sum(len(c) for c in chunks),
         "source_s": round(time.perf_counter() - t0, 1),
         "train_sequences": len(train),
@@ -414,14 +557,18 @@ class _Progress:
 
 # ---------------------------------------------------------------------------- recipe
 def load_or_build_corpus(target: LlamaModel, tokenizer: Tokenizer, cfg: TrainDraftConfig, out: pathlib.Path,
-                         reuse: pathlib.Path | None, log=print) -> Corpus:
-    """The corpus at `reuse` when it exists, else a fresh one (saved as OUT/corpus.pt)."""
+                         reuse: pathlib.Path | None, log=print, base: str = "bundled") -> Corpus:
+    """The corpus at `reuse` when it exists, else a fresh one (saved as OUT/corpus.pt),
+    its answers taken from and added to the repo's answer cache (bundled target only)."""
     if reuse is not None and reuse.is_file():
         saved = torch.load(reuse, weights_only=False)
         corpus = Corpus(saved["train"], saved["held_out"], saved["stats"])
         log(f"corpus: reused {reuse.name} ({corpus.stats})")
         return corpus
-    corpus = build_corpus(target, tokenizer, cfg, log)
+    cache = bundled_answer_cache(base, cfg, tokenizer.eos_token_ids)
+    if cache is not None:
+        log(f"answer cache: {len(cache)} answers in {cache.path.name}")
+    corpus = build_corpus(target, tokenizer, cfg, log, cache)
     torch.save(dataclasses.asdict(corpus), out / "corpus.pt")
     log(f"corpus: {corpus.stats}")
     return corpus
@@ -529,7 +676,7 @@ def train_draft(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
-    corpus = load_or_build_corpus(target, tokenizer, cfg, out, out / "corpus.pt" if resume else None, log)
+    corpus = load_or_build_corpus(target, tokenizer, cfg, out, out / "corpus.pt" if resume else None, log, base)
     vocab_ids, remap, coverage = vocab_subset(corpus, cfg.vocab_subset, target.config.vocab_size,
                                               tokenizer.eos_token_ids)
     log(f"vocabulary subset: {vocab_ids.size} ids cover {coverage:.4f} of the training labels")

@@ -141,7 +141,7 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
     reuse = pathlib.Path(cfg.corpus) if cfg.corpus else (out / "corpus.pt" if resume else None)
-    corpus = load_or_build_corpus(target, tokenizer, cfg, out, reuse, log)
+    corpus = load_or_build_corpus(target, tokenizer, cfg, out, reuse, log, base)
     feats_path = out / "features.pt"
     t0 = time.perf_counter()
     if resume and feats_path.is_file():

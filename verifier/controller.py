@@ -175,19 +175,26 @@ class Decision:
 class StepTimeModel:
     """T(n, b): seconds of one verifier pass over n tokens of b sequences,
 
-        T(n, b) = T_tokens(n) + per_seq_s * (b - 1)
+        T(n, b) = T_tokens(n) + S(b)
 
     T_tokens piecewise linear between points measured on one sequence (extrapolated along
-    the last segment); `per_seq_s` what each further sequence adds whatever its token count
-    (its attention over its own context, per-sequence kernel calls). Drafts add tokens, not
-    sequences, so their cost is T_tokens' slope. `rows(n)` is the row count a pass of n
-    tokens really runs at (the CPU verifier pads its GEMMs, `LlamaModel.gemm_rows`): an
-    integer n is priced at `rows(n)`, so T is flat between padded sizes, and a fractional
-    (expected) n between its two integer neighbours. `observe` splits the error of a measured
-    pass between the nearest point and `per_seq_s` in proportion to their shares of the
-    prediction, by EWMA, and keeps T_tokens non-decreasing. A pass with no point within 20%
-    of its n (a long prefill) is ignored: blaming its error on either term would skew the
-    decode-sized passes the controller plans.
+    the last segment). S(b) is what b sequences cost beyond one sequence of the same token
+    count (their attention over their own contexts, per-sequence work): learned at each
+    batch size the verifier runs, `per_seq_s * (b - 1)` (profiled) at those it has not run
+    yet. Drafts add tokens, not sequences, so their cost is T_tokens' slope. `rows(n)` is the
+    row count a pass of n tokens really runs at (the CPU verifier pads its GEMMs,
+    `LlamaModel.gemm_rows`): an integer n is priced at `rows(n)`, so T is flat between
+    padded sizes, and a fractional (expected) n between its two integer neighbours.
+
+    `observe` refreshes T by EWMA: a one-sequence pass corrects the nearest point (keeping
+    T_tokens non-decreasing); a pass of b > 1 sequences corrects S(b) only. Correcting the
+    points, or one shared per-sequence slope, from many-sequence passes is not identifiable:
+    at a steady batch of 32 every pass has b = 32, so any error fits either term, and wide
+    verification passes that ran slower than priced drove a shared slope up until a plain
+    decode step of 32 looked 3x dearer than it is (measured in the engine: 13 ms per
+    sequence learned against 0.45 profiled), which made drafts look cheap beside it. A pass
+    with no point within 20% of its n (a long prefill) is ignored: blaming its error on
+    either term would skew the decode-sized passes the controller plans.
 
     >>> m = StepTimeModel([(1, 0.02), (16, 0.03)], per_seq_s=0.004)
     >>> round(m(8.5), 4), round(m(8.5, b=4), 4)
@@ -207,6 +214,8 @@ class StepTimeModel:
         self.per_seq_s = per_seq_s
         self.ewma = ewma
         self.rows = rows
+        #: S(b) learned from passes of b > 1 sequences (`observe`).
+        self.seq_s_by_batch: dict[int, float] = {}
         self._monotone(0)
 
     @classmethod
@@ -233,20 +242,26 @@ class StepTimeModel:
         n0, n1, t0, t1 = ns[i - 1], ns[i], ts[i - 1], ts[i]
         return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
+    def seq_s(self, b: int) -> float:
+        """S(b): what b sequences add to a pass beyond one sequence of the same tokens."""
+        if b <= 1:
+            return 0.0
+        learned = self.seq_s_by_batch.get(b)
+        return self.per_seq_s * (b - 1) if learned is None else learned
+
     def __call__(self, n: float, b: int = 1) -> float:
-        return self.tokens_s(n) + self.per_seq_s * max(b - 1, 0)
+        return max(self.tokens_s(n) + self.seq_s(b), 1e-6)
 
     def observe(self, n: int, b: int, seconds: float) -> None:
         n = n if self.rows is None else self.rows(n)
         i = min(range(len(self.n)), key=lambda j: abs(math.log(self.n[j] / n)))
         if abs(math.log(self.n[i] / n)) > math.log(1.2):
             return
-        tok, seq = self.tokens_s(n), self.per_seq_s * max(b - 1, 0)
-        error = seconds - (tok + seq)
-        seq_share = seq / (tok + seq)
-        if b > 1:
-            self.per_seq_s = max(self.per_seq_s + self.ewma * error * seq_share / (b - 1), 0.0)
-        self.t[i] = max(self.t[i] + self.ewma * error * (1.0 - seq_share), 1e-6)
+        if b > 1:  # S(b) only; it may go negative (many short contexts beat one long one)
+            seq = self.seq_s(b)
+            self.seq_s_by_batch[b] = seq + self.ewma * (seconds - self.tokens_s(n) - seq)
+            return
+        self.t[i] = max(self.t[i] + self.ewma * (seconds - self.tokens_s(n)), 1e-6)
         self._monotone(i)
 
     def _monotone(self, anchor: int) -> None:

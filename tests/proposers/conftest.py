@@ -10,7 +10,7 @@ from proposers import train
 TINY = train.TrainDraftConfig(
     init_layers=(0, 29), vocab_subset=600, num_prompts=6, num_docstring_prompts=1, num_function_prompts=1,
     max_answer_tokens=12, source_tokens=200, source_chunk=100, eval_sequences=2, steps=4, tokens_per_step=512,
-    warmup_steps=2, checkpoint_every=2, eval_every=2, generate_batch=4,
+    warmup_steps=2, checkpoint_every=2, eval_every=2, generate_batch=4, answer_cache=False,
 )
 
 

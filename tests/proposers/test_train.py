@@ -33,21 +33,112 @@ def test_vocabulary_subset_is_the_most_frequent_labels_plus_eos():
     assert train.frequent_ids(corpus, 5, 16, always={2}).tolist() == [0, 2, 5, 7, 9]
 
 
-def test_greedy_answers_are_the_targets_own_tokens(model, tokenizer):
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}]))
-               for c in ("Name a colour.", "What is two plus two?", "Say hello in French.")]
-    got = train.greedy_answers(model, prompts, set(tokenizer.eos_token_ids), max_tokens=6, batch=2)
-    for p, answer in zip(prompts, got):
+def reference_answers(model, prompts, eos_ids, max_tokens):
+    """Greedy answers the slow, independent way: one full pass over a fresh cache per token."""
+    answers = []
+    for p in prompts:
         want = []
-        for _ in range(6):  # one full pass over a fresh cache per token
+        for _ in range(max_tokens):
             ids = p + want
             cache = model.new_cache(1, len(ids))
             logits = model.forward(torch.tensor(ids), [cache.allocate()], [len(ids)], cache,
                                    torch.tensor([len(ids) - 1]))
             want.append(int(logits[0].argmax()))
-            if want[-1] in tokenizer.eos_token_ids:
+            if want[-1] in eos_ids:
                 break
-        assert answer == want
+        answers.append(want)
+    return answers
+
+
+ANSWER_PROMPTS = ("Name a colour.", "Repeat exactly: the cat sat on the mat, the cat sat on the mat.",
+                  "Say hello in French.", "Count from one to ten in words.")
+
+
+def chat_prompts(tokenizer, texts):
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}])) for c in texts]
+
+
+def test_engine_answers_are_the_targets_own_tokens(model, tokenizer):
+    """Four prompts over two slots (two wait, then take the freed slots), drafting with
+    n-gram k = 3 every round: each answer is the target's greedy tokens, EOS kept."""
+    from verifier.controller import Controller
+
+    prompts = chat_prompts(tokenizer, ANSWER_PROMPTS)
+    controller = Controller.static(3, ("ngram",))
+    engine = train.answer_engine(model, tokenizer, batch=2, max_model_len=128, max_waiting=4, controller=controller)
+    got = train.engine_answers(engine, prompts, max_tokens=16)
+    assert got == reference_answers(model, prompts, set(tokenizer.eos_token_ids), 16)
+    assert controller.decisions["static"] > 0  # rounds that asked for drafts
+
+
+def test_answer_cache_serves_prefixes_of_its_answers_and_only_for_its_model(tmp_path):
+    path = tmp_path / "answers.jsonl.gz"
+    cache = train.AnswerCache(path, "model-a", eos_ids=[2])
+    cache.put([1, 5, 6], 5, [10, 11, 12, 13, 14])  # stopped by max_tokens 5
+    cache.put([1, 7], 10, [7, 8, 2])  # ended at EOS 2
+    cache.save()
+    first = path.read_bytes()
+    cache.save()
+    assert path.read_bytes() == first  # no timestamp: the same entries give the same bytes
+
+    again = train.AnswerCache(path, "model-a", eos_ids=[2])
+    assert len(again) == 2
+    assert again.get([1, 5, 6], 3) == [10, 11, 12]  # greedy: the answer at 3 is the first 3 at 5
+    assert again.get([1, 5, 6], 5) == [10, 11, 12, 13, 14]
+    assert again.get([1, 5, 6], 6) is None  # it was cut at 5, the 6th token is unknown
+    assert again.get([1, 7], 50) == [7, 8, 2]  # finished: serves any length
+    assert again.get([1, 7], 2) == [7, 8]
+    assert again.get([1, 5], 3) is None  # another prompt
+    # A shorter answer never replaces a longer one for the same prompt; a longer one does.
+    again.put([1, 5, 6], 2, [10, 11])
+    assert again.get([1, 5, 6], 5) == [10, 11, 12, 13, 14]
+    again.put([1, 5, 6], 8, [10, 11, 12, 13, 14, 15, 16, 17])
+    assert again.get([1, 5, 6], 6) == [10, 11, 12, 13, 14, 15]
+
+    other = train.AnswerCache(path, "model-b", eos_ids=[2])
+    assert len(other) == 0 and other.get([1, 7], 3) is None  # written for another model: ignored
+
+
+def test_cached_answers_are_generated_once_then_read(model, tokenizer, tmp_path):
+    from verifier.controller import Controller
+
+    prompts = chat_prompts(tokenizer, ANSWER_PROMPTS)
+    eos = set(tokenizer.eos_token_ids)
+    path = tmp_path / "answers.jsonl.gz"
+    want = reference_answers(model, prompts, eos, 6)
+    off = Controller.off()
+
+    got, hits = train.cached_greedy_answers(model, tokenizer, prompts[:3], 6, 2, train.AnswerCache(path, "m", eos),
+                                            controller=off)
+    assert (got, hits) == (want[:3], 0)
+    # Read back from the file alone: no model at all is needed for what it holds.
+    got, hits = train.cached_greedy_answers(None, None, prompts[:3], 4, 2, train.AnswerCache(path, "m", eos))
+    assert (got, hits) == ([a[:4] for a in want[:3]], 3)
+    # One new prompt: three read, one generated and added to the file.
+    got, hits = train.cached_greedy_answers(model, tokenizer, prompts, 6, 2, train.AnswerCache(path, "m", eos),
+                                            controller=off)
+    assert (got, hits) == (want, 3)
+    assert len(train.AnswerCache(path, "m", eos)) == 4
+
+
+def test_train_cli_switches_the_answer_cache(capsys):
+    from cluster.cli import build_parser, main
+
+    assert build_parser().parse_args(["train", "draft"]).answer_cache is None  # the recipe's default: on
+    assert build_parser().parse_args(["train", "eagle", "--no-answer-cache"]).answer_cache is False
+    # `train answers` takes only the fields that shape the answers, and checks them first.
+    assert build_parser().parse_args(["train", "answers", "--num-prompts", "948"]).num_prompts == 948
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "answers", "--steps", "5"])
+    capsys.readouterr()
+    assert main(["train", "answers", "--num-prompts", "-1"]) == 2
+    assert "num_prompts must be >= 0, got -1" in capsys.readouterr().err
+    assert train.TrainDraftConfig().answer_cache is True
+    cfg = train.TrainDraftConfig(answer_cache=False)
+    assert train.bundled_answer_cache("bundled", cfg, [2]) is None
+    assert train.bundled_answer_cache("other.gguf", train.TrainDraftConfig(), [2]) is None
+    cache = train.bundled_answer_cache("bundled", train.TrainDraftConfig(), [2])
+    assert cache.path == train.ANSWERS_PATH and cache.model_id.startswith("bundled:")
 
 
 @pytest.mark.slow

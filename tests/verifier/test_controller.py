@@ -66,17 +66,34 @@ def test_step_time_prices_a_pass_at_its_padded_row_count():
     assert m.points()[2] == (8, pytest.approx(0.085))
 
 
-def test_step_time_splits_errors_between_tokens_and_sequences():
-    m = StepTimeModel([(1, 0.010), (8, 0.012)], per_seq_s=0.002, ewma=0.5)
-    assert m(8, b=8) == pytest.approx(0.012 + 7 * 0.002)  # 26 ms
-    # Measured 40 ms: 14 ms too slow. Shares of the prediction: sequences 14/26, tokens 12/26.
+def test_step_time_learns_what_sequences_add_at_each_batch_size():
+    m = StepTimeModel([(1, 0.010), (8, 0.012), (32, 0.040), (96, 0.120)], per_seq_s=0.002, ewma=0.5)
+    assert m(8, b=8) == pytest.approx(0.012 + 7 * 0.002)  # the profiled prior: 26 ms
+    # Measured 40 ms at b = 8: S(8) 14 -> 14 + 0.5 * (40 - 12 - 14) = 21 ms. The points and the
+    # prior of every other batch size stay.
     m.observe(8, 8, 0.040)
-    assert m.per_seq_s == pytest.approx(0.002 + 0.5 * 0.014 * (14 / 26) / 7)
-    assert m.tokens_s(8) == pytest.approx(0.012 + 0.5 * 0.014 * (12 / 26))
+    assert m.seq_s(8) == pytest.approx(0.021) and m(8, b=8) == pytest.approx(0.033)
+    assert m(4, b=8) == pytest.approx(0.010 + 0.002 * 3 / 7 + 0.021)
+    assert m(8) == pytest.approx(0.012) and m(8, b=4) == pytest.approx(0.012 + 3 * 0.002)
+
+    # A steady batch of 32 whose wide (verification) passes run 30 ms slower than priced and
+    # whose decode passes (32 tokens) run as priced. Shared terms would confound the two;
+    # here only S(32) moves, to the mean error, and a draft token still costs T_tokens' slope.
+    prior = m(32, b=32)  # 40 + 31 * 2 = 102 ms
+    for _ in range(40):
+        m.observe(96, 32, m.tokens_s(96) + 0.062 + 0.030)
+        m.observe(32, 32, m.tokens_s(32) + 0.062)
+    assert m.seq_s(32) == pytest.approx(0.062 + 0.010, abs=0.002)  # the EWMA ends on the decode pass
+    assert m(96, b=32) - m(32, b=32) == pytest.approx(0.120 - 0.040)
+    assert m(32) == pytest.approx(0.040) and m.per_seq_s == 0.002 and prior == pytest.approx(0.102)
     # A long prefill, far from every point: ignored, even with several sequences.
-    before = (m.tokens_s(8), m.per_seq_s)
+    before = (m.points(), dict(m.seq_s_by_batch))
     m.observe(500, 4, 1.0)
-    assert (m.tokens_s(8), m.per_seq_s) == before
+    assert (m.points(), m.seq_s_by_batch) == before
+    # Many short contexts can beat one long sequence: S(b) may be negative, T stays positive.
+    for _ in range(20):
+        m.observe(96, 16, 0.100)
+    assert m.seq_s(16) == pytest.approx(-0.020, abs=1e-4) and m(96, b=16) == pytest.approx(0.100, abs=1e-4)
 
 
 # ---------------------------------------------------------------------- turning off and back on

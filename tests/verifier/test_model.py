@@ -140,6 +140,30 @@ def test_ragged_batch_matches_each_sequence_alone(model, prompts):
     assert err < BATCH_ATOL, f"logits_index {last_rows.tolist()}: {err=}"
 
 
+def run_alone_and_together(model, text, prefix_lens, new, num_slots, idle):
+    """Each sequence continued alone (its prefix `text[:n]` cached, then `new[slot]`), and
+    all of them in one pass over a cache of `num_slots` whose slot `idle` is free. Returns
+    (rows alone, concatenated in slot order; rows of the shared pass; the shared cache)."""
+    alone = {}
+    for slot, n in prefix_lens.items():
+        cache = model.new_cache(num_slots=1, max_len=96)
+        s = cache.allocate()
+        if n:
+            model.forward(ids_tensor(text[:n]), [s], [n], cache)
+        alone[slot] = model.forward(ids_tensor(new[slot]), [s], [len(new[slot])], cache)
+
+    cache = model.new_cache(num_slots=num_slots, max_len=96)
+    assert [cache.allocate() for _ in range(num_slots)] == list(range(num_slots))
+    cache.free(idle)
+    for slot, n in prefix_lens.items():
+        if n:
+            model.forward(ids_tensor(text[:n]), [slot], [n], cache)
+    slots = list(prefix_lens)
+    batched = model.forward(ids_tensor([t for s in slots for t in new[s]]), slots, [len(new[s]) for s in slots],
+                            cache)
+    return torch.cat([alone[s] for s in slots]), batched, cache
+
+
 def test_grouped_decode_steps_match_each_sequence_alone(model, prompts):
     """Five one-token decode steps (cache lengths 3 to 60, an idle slot among theirs) run
     their attention as one batched product over the slot range; with a 3-token
@@ -150,24 +174,13 @@ def test_grouped_decode_steps_match_each_sequence_alone(model, prompts):
     prefix_lens = {0: 3, 1: 60, 2: 17, 4: 41, 5: 29, 6: 25}  # slot -> tokens already cached
     new = {slot: text[n : n + (3 if slot == 6 else 1)] for slot, n in prefix_lens.items()}
 
-    alone = {}
-    for slot, n in prefix_lens.items():
-        cache = model.new_cache(num_slots=1, max_len=96)
-        s = cache.allocate()
-        model.forward(ids_tensor(text[:n]), [s], [n], cache)
-        alone[slot] = model.forward(ids_tensor(new[slot]), [s], [len(new[slot])], cache)
-
-    cache = model.new_cache(num_slots=8, max_len=96)
-    assert [cache.allocate() for _ in range(7)] == list(range(7))
-    cache.free(3)  # idle, inside the group's slot range
-    for slot, n in prefix_lens.items():
-        model.forward(ids_tensor(text[:n]), [slot], [n], cache)
     slots = list(prefix_lens)
     num_tokens = [len(new[s]) for s in slots]
     assert sum(n == 1 for n in num_tokens) == 5 >= GROUP_MIN
-    batched = model.forward(ids_tensor([t for s in slots for t in new[s]]), slots, num_tokens, cache)
-    assert cache.lens[:7] == [4, 61, 18, 0, 42, 30, 28]
-    err = max_abs(batched, torch.cat([alone[s] for s in slots]))
+    # Slot 3 is idle, inside the group's slot range.
+    alone, batched, cache = run_alone_and_together(model, text, prefix_lens, new, num_slots=7, idle=3)
+    assert cache.lens == [4, 61, 18, 0, 42, 30, 28]
+    err = max_abs(batched, alone)
     assert err < BATCH_ATOL, f"{err=}"
     # The grouping itself: slots 0-4 (five, four members), each blocked past its own length.
     spans = [_SeqSpan(s, i, 1, n, None, False) for i, (s, n) in enumerate([(0, 4), (1, 61), (2, 18), (4, 42)])]
@@ -196,27 +209,14 @@ def test_grouped_verification_spans_match_each_sequence_alone(model, prompts):
     widths = {0: 3, 1: 1, 2: 4, 4: 2, 5: 1, 6: 3, 7: 12}
     new = {slot: text[n : n + widths[slot]] for slot, n in prefix_lens.items()}
 
-    alone = {}
-    for slot, n in prefix_lens.items():
-        cache = model.new_cache(num_slots=1, max_len=96)
-        s = cache.allocate()
-        if n:
-            model.forward(ids_tensor(text[:n]), [s], [n], cache)
-        alone[slot] = model.forward(ids_tensor(new[slot]), [s], [len(new[slot])], cache)
-
-    cache = model.new_cache(num_slots=8, max_len=96)
-    assert [cache.allocate() for _ in range(8)] == list(range(8))
-    cache.free(3)  # idle, inside the group's slot range
-    for slot, n in prefix_lens.items():
-        if n:
-            model.forward(ids_tensor(text[:n]), [slot], [n], cache)
     slots = list(prefix_lens)
     num_tokens = [widths[s] for s in slots]
-    batched = model.forward(ids_tensor([t for s in slots for t in new[s]]), slots, num_tokens, cache)
+    # Slot 3 is idle, inside the group's slot range.
+    alone, batched, cache = run_alone_and_together(model, text, prefix_lens, new, num_slots=8, idle=3)
     assert cache.lens == [8, 51, 21, 0, 35, 10, 29, 12]
-    err = max_abs(batched, torch.cat([alone[s] for s in slots]))
+    err = max_abs(batched, alone)
     assert err < BATCH_ATOL, f"{err=}"
-    assert torch.equal(batched.argmax(-1), torch.cat([alone[s] for s in slots]).argmax(-1))
+    assert torch.equal(batched.argmax(-1), alone.argmax(-1))
 
     # The group, by hand: slots 0-6 (seven, six members), width 4 because their 14 tokens
     # fill at least half of 7 x 4 rows; the prefill (12 > GROUP_MAX_WIDTH) stays out.
