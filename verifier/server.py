@@ -141,5 +141,8 @@ class VerifierServer:
                 "proposer_latency_ms": {m: round(e.controller.latency_s(m) * 1e3, 3) for m in e.proposers},
                 "step_time_ms": [(n, round(t * 1e3, 2)) for n, t in e.controller.step_time.points()]
                 if e.controller.step_time is not None else None,
+                # S(b): what b sequences add to a pass, learned per batch size (StepTimeModel).
+                "batch_step_ms": {b: round(t * 1e3, 2) for b, t in sorted(e.controller.step_time.seq_s_by_batch.items())}
+                if e.controller.step_time is not None else None,
             },
         }
