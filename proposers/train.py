@@ -177,9 +177,10 @@ def answer_engine(model: LlamaModel, tokenizer: Tokenizer, batch: int, max_model
 def engine_answers(engine, prompts: list[list[int]], max_tokens: int, progress=None) -> list[list[int]]:
     """The target's greedy continuation of each prompt (up to and including an EOS id, at
     most `max_tokens`), made by the serving engine (`answer_engine`): continuous batching,
-    n-gram speculation. Greedy speculation emits exactly the target's own tokens; keeping
-    every slot busy and drafting what the answers quote makes a prompt set faster than
-    plain batched decoding."""
+    n-gram speculation. Greedy speculation emits exactly the target's own tokens. Unlike
+    plain batched decoding, which waits for a batch's longest answer, it keeps every slot
+    busy and drafts what the answers quote; by how much that is faster on the prompt set
+    is not measured yet."""
     from verifier.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
