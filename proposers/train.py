@@ -40,6 +40,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import dataclasses
+import gzip
 import hashlib
 import json
 import logging
@@ -247,8 +248,6 @@ class AnswerCache:
         self.path, self.model_id, self.eos_ids = pathlib.Path(path), model_id, set(eos_ids)
         self._entries: dict[str, tuple[int, list[int]]] = {}
         if self.path.is_file():
-            import gzip
-
             with gzip.open(self.path, "rt", encoding="utf-8") as f:
                 lines = [json.loads(line) for line in f if line.strip()]
             if lines and lines[0].get("model") == model_id:
@@ -280,16 +279,13 @@ class AnswerCache:
 
     def save(self) -> None:
         """Write the file whole (entries sorted by key, gzip without a timestamp), atomically."""
-        import gzip
-        import os
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz:
             lines = [{"model": self.model_id}] + [{"prompt_sha256": k, "max_tokens": n, "answer": a}
                                                   for k, (n, a) in sorted(self._entries.items())]
             gz.write("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode())
-        os.replace(tmp, self.path)
+        tmp.replace(self.path)
 
 
 def bundled_answer_cache(base: str, cfg: "TrainDraftConfig", eos_ids) -> AnswerCache | None:

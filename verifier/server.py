@@ -129,6 +129,7 @@ class VerifierServer:
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
         e = self.engine
+        step_time = e.controller.step_time
         return {
             "num_running": e.num_running,
             "num_waiting": e.num_waiting,
@@ -139,10 +140,9 @@ class VerifierServer:
                 "policy": e.controller.settings.policy,
                 "decisions": dict(e.controller.decisions),
                 "proposer_latency_ms": {m: round(e.controller.latency_s(m) * 1e3, 3) for m in e.proposers},
-                "step_time_ms": [(n, round(t * 1e3, 2)) for n, t in e.controller.step_time.points()]
-                if e.controller.step_time is not None else None,
+                "step_time_ms": None if step_time is None else [(n, round(t * 1e3, 2)) for n, t in step_time.points()],
                 # S(b): what b sequences add to a pass, learned per batch size (StepTimeModel).
-                "batch_step_ms": {b: round(t * 1e3, 2) for b, t in sorted(e.controller.step_time.seq_s_by_batch.items())}
-                if e.controller.step_time is not None else None,
+                "batch_step_ms": None if step_time is None else {
+                    b: round(t * 1e3, 2) for b, t in sorted(step_time.seq_s_by_batch.items())},
             },
         }
