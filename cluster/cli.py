@@ -186,7 +186,7 @@ def _train(args: argparse.Namespace) -> int:
     command = f"splitspec train {args.what} " + " ".join(shlex.quote(a) for a in args.argv_tail)
     info = recipe(target, tokenizer, out, cfg, base=args.model or "bundled", command=command.strip(),
                   resume=args.resume)
-    print(json.dumps({"out": str(out), "held_out_agreement": info["held_out_agreement"],
+    print(json.dumps({"out": str(out), **{k: v for k, v in info.items() if k.startswith("held_out_")},
                       "total_s": info["total_s"]}))
     return 0
 

@@ -584,8 +584,9 @@ def vocab_subset(corpus: Corpus, size: int, vocab_size: int, eos_ids) -> tuple[n
 def fit(net: nn.Module, cfg: TrainDraftConfig, out: pathlib.Path, batch_loss, batches_from, evaluate,
         resume: bool, log=print) -> tuple[list[dict], float]:
     """AdamW with warm-up and cosine decay, gradient clipping, held-out `evaluate()` every
-    `eval_every` steps and a checkpoint every `checkpoint_every` (`resume` continues from
-    it). `batches_from(step)` gives the batch iterator, `batch_loss(batch)` the loss.
+    `eval_every` steps (a float, the agreement, or a dict of named figures) and a checkpoint
+    every `checkpoint_every` (`resume` continues from it). `batches_from(step)` gives the
+    batch iterator, `batch_loss(batch)` the loss.
     Returns (history, training seconds)."""
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -598,9 +599,9 @@ def fit(net: nn.Module, cfg: TrainDraftConfig, out: pathlib.Path, batch_loss, ba
         step, history = ckpt["step"], ckpt["history"]
         log(f"resumed at step {step}")
     if step == 0:
-        acc = evaluate()
-        history.append({"step": 0, "held_out_agreement": round(acc, 4)})
-        log(f"step 0: held-out agreement {acc:.4f}")
+        figures = _figures(evaluate())
+        history.append({"step": 0, **figures})
+        log(f"step 0: {_describe(figures)}")
     batches = batches_from(step)
     bar = _Progress(cfg.steps, "training", log)
     bar.done = step
@@ -619,14 +620,24 @@ def fit(net: nn.Module, cfg: TrainDraftConfig, out: pathlib.Path, batch_loss, ba
         ewma = value if ewma is None else 0.95 * ewma + 0.05 * value
         bar.update(1, f"loss {ewma:.3f}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            acc = evaluate()
-            history.append({"step": step, "loss": round(ewma, 4), "held_out_agreement": round(acc, 4)})
-            log(f"{chr(10) if bar.tty else ''}step {step}: loss {ewma:.3f}, held-out agreement {acc:.4f}")
+            figures = _figures(evaluate())
+            history.append({"step": step, "loss": round(ewma, 4), **figures})
+            log(f"{chr(10) if bar.tty else ''}step {step}: loss {ewma:.3f}, {_describe(figures)}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             torch.save({"model": net.state_dict(), "optim": opt.state_dict(), "step": step, "history": history},
                        ckpt_path)
     bar.close()
     return history, time.perf_counter() - started
+
+
+def _figures(value: float | dict) -> dict:
+    """`evaluate()`'s result as history fields: a float is the held-out agreement."""
+    figures = value if isinstance(value, dict) else {"held_out_agreement": value}
+    return {k: round(v, 4) for k, v in figures.items()}
+
+
+def _describe(figures: dict) -> str:
+    return ", ".join(f"{k.replace('_', ' ').replace('held out', 'held-out')} {v:.4f}" for k, v in figures.items())
 
 
 def round_to_bfloat16(net: nn.Module) -> None:

@@ -13,12 +13,22 @@ by the target), read from a `corpus.pt` it wrote (`--corpus`) or built afresh. T
    predicts f^_{t+1} = f_t.
 4. **Training** (EAGLE's objective): smooth-L1 between f^_{t+1} and the target's f_{t+1}
    plus `cls_weight` x cross-entropy of the LM-head rows on the target's next token, with
-   uniform noise of `feature_noise` on the input features (drafting feeds the head its own,
-   imperfect, features); AdamW, warm-up + cosine, clipping, checkpoints, `--resume`.
+   uniform noise of `feature_noise` on the input features; AdamW, warm-up + cosine,
+   clipping, checkpoints, `--resume`.
+   **Training-time test** (as in HASS and EAGLE-3): drafting feeds the head its own f^
+   after the first step, which a head trained on real features only has never seen (one
+   trained that way drafted the target's next token 64% of the time at the first step but
+   22% at the second, after a first that was right). So each
+   batch runs `unroll` draft steps from every row at once (`EagleNet.unroll`: step j + 1
+   of row t reads its own step-j output and attends to the real rows up to t and to its
+   own earlier steps, exactly as the proposer's KV cache does), and step j + 1 is trained
+   on the target's feature and token j positions further on, weighted `unroll_decay ** j`,
+   wherever the text follows the target's own choices that far (`chain_rows`).
 5. **Output** (`OUT/`): `model.safetensors` in the published EAGLE-1 layout (`fc.weight`,
    `fc.bias`, `layers.0.*`) plus `splitspec.vocab_ids`, bfloat16; `config.json` (HF Llama
    config, one layer, with a `splitspec` block: kind eagle, vocabulary fingerprint, weights
-   sha256); `train_info.json` (command, recipe, figures).
+   sha256); `train_info.json` (command, recipe, figures: held-out agreement of the first
+   draft, and held-out mean acceptance length of greedy 4-token chains, `held_out_figures`).
 """
 
 from __future__ import annotations
@@ -32,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _Layer, _Progress, decoder_layer, fit, length_groups,
+from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _Layer, _Progress, fit, length_groups,
                              load_or_build_corpus, round_to_bfloat16, vocab_subset, write_outputs)
-from verifier.models.llama import LlamaModel
+from verifier.models.llama import LlamaModel, rotate_half
 from verifier.models.tokenizer import Tokenizer
 
 
@@ -47,11 +57,19 @@ class TrainEagleConfig(TrainDraftConfig):
     lr: float = 1e-3
     cls_weight: float = 0.1
     feature_noise: float = 0.1
+    #: Training-time test: draft steps unrolled in training (1: EAGLE-1, the head sees real
+    #: features only); step j's loss is weighted unroll_decay ** (j - 1).
+    unroll: int = 3
+    unroll_decay: float = 0.8
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if len(self.init_layers) != 1:
             raise ValueError(f"an EAGLE head has one decoder layer: init_layers must name one, got {self.init_layers}")
+        if self.unroll < 1:
+            raise ValueError(f"unroll must be >= 1, got {self.unroll}")
+        if not 0 < self.unroll_decay <= 1:
+            raise ValueError(f"unroll_decay must be in (0, 1], got {self.unroll_decay}")
 
 
 @torch.inference_mode()
@@ -93,44 +111,129 @@ class EagleNet(nn.Module):
 
     def forward(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """next_ids int64 [B, L] (x_{t+1}), features [B, L, H] (f_t) -> f^_{t+1} [B, L, H]."""
-        h = F.linear(torch.cat([F.embedding(next_ids, self.embed), features], dim=-1), self.fc_weight, self.fc_bias)
-        return decoder_layer(h, self.layer, self.config, self.cos, self.sin, input_norm=False)
+        return self.unroll(next_ids[..., None], features)[0]
+
+    def unroll(self, chain: torch.Tensor, features: torch.Tensor) -> list[torch.Tensor]:
+        """Draft steps 1 .. D from every row at once, as drafting runs them (training-time test).
+
+        chain int64 [B, L, D]: column 0 is x_{t+1}, column j the token fed at step j + 1
+        (draft j; the target's own token on the accepted path); features [B, L, H]: f_t.
+        Step 1 is the plain causal pass over real features. Step j + 1 of row t reads
+        (chain[t, j], its own step-j output) at position t + j and attends, as the proposer's
+        KV cache does, to step-1 rows 0 .. t and to row t of steps 2 .. j + 1.
+        Returns D tensors [B, L, H]: step j + 1's f^_{t+j+1}.
+        """
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs = []
+        f = features
+        for j in range(chain.shape[-1]):
+            h = F.linear(torch.cat([F.embedding(chain[..., j], self.embed), f], dim=-1), self.fc_weight, self.fc_bias)
+            f = _unrolled_layer(h, self.layer, self.config, self.cos, self.sin, keys, values)
+            outs.append(f)
+        return outs
 
 
-def _batch(seqs, feats, group, remap):
-    """Rows t = 0 .. len - 2 of each sequence: inputs (x_{t+1}, f_t), targets f_{t+1} and the
-    draft column of the target's token after t + 1 (-100: none)."""
+def _unrolled_layer(h: torch.Tensor, layer: _Layer, c, cos: torch.Tensor, sin: torch.Tensor,
+                    keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """The head's decoder layer (no input norm) for step len(keys) + 1 of `EagleNet.unroll`;
+    appends this step's keys and values."""
+    B, L, _ = h.shape
+    H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+    j = len(keys)
+    qkv = F.linear(h, layer.wqkv, layer.bqkv)
+    qk = qkv[..., : (H + Hkv) * D].view(B, L, H + Hkv, D)
+    qk = qk * cos[j : j + L].view(1, L, 1, D) + rotate_half(qk) * sin[j : j + L].view(1, L, 1, D)
+    q = qk[:, :, :H].transpose(1, 2)
+    keys.append(qk[:, :, H:].transpose(1, 2))
+    values.append(qkv[..., (H + Hkv) * D :].view(B, L, Hkv, D).transpose(1, 2))
+    if j == 0:
+        o = F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, enable_gqa=True)
+    else:
+        eye = torch.eye(L, dtype=torch.bool)
+        mask = torch.cat([torch.ones(L, L, dtype=torch.bool).tril()] + [eye] * j, dim=1)
+        o = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask,
+                                           enable_gqa=True)
+    h = h + F.linear(o.transpose(1, 2).reshape(B, L, H * D), layer.wo)
+    x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
+    gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, layer.w_down)
+
+
+def chain_rows(x: list[int], y: list[int], depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For rows t = 0 .. len(x) - 2 of one sequence: (chain [n, depth] tokens fed at each step,
+    target [n, depth] the target's token after step j's position (-1: none), valid [n, depth]).
+
+    Step j + 1 of row t predicts the feature of position t + j + 1 and the target's token
+    y[t+j+1]. It is valid when that position exists and the text follows the target's own
+    choices up to it (x[t+i+1] == y[t+i] for 1 <= i <= j), so that the real feature there is
+    the one an accepted draft leads to; its input token is then y[t+j]."""
+    x, y = np.asarray(x, np.int64), np.asarray(y, np.int64)
+    n = len(x) - 1
+    t = np.arange(n)
+    chain = np.zeros((n, depth), np.int64)
+    target = np.full((n, depth), -1, np.int64)
+    valid = np.zeros((n, depth), bool)
+    chain[:, 0] = x[1:]
+    ok = np.ones(n, bool)
+    for j in range(depth):
+        if j:
+            inside = t + j + 1 <= n
+            prev = np.where(inside, y[np.minimum(t + j, n)], -1)
+            ok &= inside & (prev >= 0) & (x[np.minimum(t + j + 1, n)] == prev)
+            chain[:, j] = np.where(ok, prev, 0)
+        valid[:, j] = ok
+        target[:, j] = np.where(ok, y[np.minimum(t + j + 1, n)], -1)
+    return chain, target, valid
+
+
+def _batch(seqs, feats, group, remap, depth: int = 1):
+    """Padded rows of `group` (see `chain_rows`): chain [B, L, D], f_t [B, L, H], the real
+    features [B, L + D, H] (step j + 1's targets are columns j + 1 .. j + L), labels
+    [B, L, D] (draft columns; -100: none or outside the subset) and valid [B, L, D]."""
     L = max(len(seqs[j][0]) for j in group) - 1
     Hd = feats[group[0]].shape[1]
-    ids = np.zeros((len(group), L), np.int64)
-    labels = np.full((len(group), L), -100, np.int64)
+    chain = np.zeros((len(group), L, depth), np.int64)
+    labels = np.full((len(group), L, depth), -100, np.int64)
+    valid = np.zeros((len(group), L, depth), bool)
     f_in = torch.zeros(len(group), L, Hd)
-    f_out = torch.zeros(len(group), L, Hd)
-    valid = torch.zeros(len(group), L, dtype=torch.bool)
+    f_real = torch.zeros(len(group), L + depth, Hd)
     for r, j in enumerate(group):
         x, y = seqs[j]
         n = len(x) - 1
-        ids[r, :n] = x[1:]
-        y = np.asarray(y[1:])
-        labels[r, :n] = np.where(y >= 0, remap[np.maximum(y, 0)], -100)
+        c, tgt, ok = chain_rows(x, y, depth)
+        chain[r, :n], valid[r, :n] = c, ok
+        labels[r, :n] = np.where(tgt >= 0, remap[np.maximum(tgt, 0)], -100)
         f = feats[j].float()
         f_in[r, :n] = f[:-1]
-        f_out[r, :n] = f[1:]
-        valid[r, :n] = True
-    return torch.from_numpy(ids), f_in, f_out, torch.from_numpy(labels), valid
+        f_real[r, : n + 1] = f
+    return torch.from_numpy(chain), f_in, f_real, torch.from_numpy(labels), torch.from_numpy(valid)
+
+
+#: Draft length of the held-out mean acceptance length (the benchmark's k).
+EVAL_K = 4
 
 
 @torch.no_grad()
-def agreement(net: EagleNet, seqs, feats, remap) -> float:
-    """Top-1 agreement of the head's first draft with the target (teacher-forced features)."""
+def held_out_figures(net: EagleNet, seqs, feats, remap, k: int = EVAL_K) -> dict:
+    """`held_out_agreement`: top-1 agreement of the head's first draft with the target
+    (teacher-forced features; a target token outside the subset is a miss);
+    `held_out_acceptance_length`: mean acceptance length of greedy k-token chains drafted
+    from every row with k known target tokens ahead (1 + the drafts matching them in order)."""
     hit = total = 0
+    accepted = chains = 0
     for j in range(len(seqs)):
-        ids, f_in, _, labels, _ = _batch(seqs, feats, [j], remap)
-        pred = (net(ids, f_in) @ net.head.t()).argmax(-1)
-        mask = torch.from_numpy(np.asarray(seqs[j][1][1:]) >= 0)
-        hit += int(((pred[0] == labels[0]) & mask).sum())
-        total += int(mask.sum())
-    return hit / max(total, 1)
+        chain, f_in, _, labels, valid = _batch(seqs, feats, [j], remap, k)
+        outs = net.unroll(chain, f_in)
+        preds = torch.stack([(o @ net.head.t()).argmax(-1) for o in outs], dim=-1)[0]  # [L, k]
+        match = (preds == labels[0]).numpy()
+        has_label = np.asarray(seqs[j][1][1:]) >= 0
+        hit += int((match[:, 0] & has_label).sum())
+        total += int(has_label.sum())
+        full = valid[0, :, k - 1].numpy()
+        accepted += int(np.cumprod(match[full], axis=1).sum())
+        chains += int(full.sum())
+    return {"held_out_agreement": hit / max(total, 1), "held_out_acceptance_length": 1 + accepted / max(chains, 1)}
 
 
 def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib.Path, cfg: TrainEagleConfig,
@@ -165,29 +268,35 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
         rng = np.random.default_rng(cfg.seed + 1 + step)
         noise = torch.Generator().manual_seed(cfg.seed + 2 + step)
         for group in length_groups([len(x) for x, _ in seqs], cfg.tokens_per_step, rng):
-            ids, f_in, f_out, labels, valid = _batch(seqs, feats, group, remap)
+            chain, f_in, f_real, labels, valid = _batch(seqs, feats, group, remap, cfg.unroll)
             if cfg.feature_noise:
                 f_in = f_in + cfg.feature_noise * (2 * torch.rand(f_in.shape, generator=noise) - 1)
-            yield ids, f_in, f_out, labels, valid
+            yield chain, f_in, f_real, labels, valid
 
     def batch_loss(batch) -> torch.Tensor:
-        ids, f_in, f_out, labels, valid = batch
-        pred = net(ids, f_in)
-        reg = F.smooth_l1_loss(pred[valid], f_out[valid])
-        mask = labels != -100
-        if not mask.any():
-            return reg
-        return reg + cfg.cls_weight * F.cross_entropy(pred[mask] @ net.head.t(), labels[mask])
+        chain, f_in, f_real, labels, valid = batch
+        L = chain.shape[1]
+        loss = torch.zeros(())
+        for j, pred in enumerate(net.unroll(chain, f_in)):
+            ok = valid[..., j]
+            if not ok.any():
+                break
+            step = F.smooth_l1_loss(pred[ok], f_real[:, j + 1 : j + 1 + L][ok])
+            mask = labels[..., j] != -100
+            if mask.any():
+                step = step + cfg.cls_weight * F.cross_entropy(pred[mask] @ net.head.t(), labels[..., j][mask])
+            loss = loss + cfg.unroll_decay ** j * step
+        return loss
 
     history, train_s = fit(net, cfg, out, batch_loss, batches_from,
-                           lambda: agreement(net, corpus.held_out, held_f, remap), resume, log)
+                           lambda: held_out_figures(net, corpus.held_out, held_f, remap), resume, log)
     round_to_bfloat16(net)
-    final = agreement(net, corpus.held_out, held_f, remap)
+    final = held_out_figures(net, corpus.held_out, held_f, remap)
     save_eagle(net, vocab_ids, out)
     info = {
         "command": command, "recipe": dataclasses.asdict(cfg), "corpus": corpus.stats,
         "vocab_subset_coverage": round(coverage, 4), "features_s": round(features_s, 1), "history": history,
-        "held_out_agreement": round(final, 4), "train_s": round(train_s, 1),
+        **{k: round(v, 4) for k, v in final.items()}, "train_s": round(train_s, 1),
         "total_s": round(time.perf_counter() - started, 1),
     }
     write_outputs(out, target, tokenizer, 1, {"kind": "eagle", "base_model": base, "vocab_subset": int(vocab_ids.size)},

@@ -14,13 +14,15 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cluster.workloads import load_prompts
 from protos.proposal import ProposalRequest
 from proposers.draft_model import DraftModelConfig
 from proposers.eagle import EagleProposer, load_eagle
 from proposers.train import BUNDLED_EAGLE_DIR, WEIGHTS_FILE
-from proposers.train_eagle import EagleNet, TrainEagleConfig, train_eagle
+from proposers.train import decoder_layer
+from proposers.train_eagle import EagleNet, TrainEagleConfig, chain_rows, held_out_figures, train_eagle
 from tests.proposers.conftest import TINY
 from verifier.controller import Controller
 from verifier.engine import Engine, EngineConfig
@@ -81,18 +83,111 @@ def _reference_net(model, head_dir) -> tuple[EagleNet, np.ndarray]:
     return net.eval(), vocab_ids.astype(np.int64)
 
 
+def _recompute(net, ids: list[int], feats: list[torch.Tensor]) -> torch.Tensor:
+    """The head over a whole sequence with plain causal attention (the draft's training
+    layer, not `EagleNet.unroll`): row t reads (x_{t+1}, f_t); returns every row's f^."""
+    h = F.linear(torch.cat([F.embedding(torch.tensor([ids[1:]]), net.embed), torch.stack(feats)[None]], dim=-1),
+                 net.fc_weight, net.fc_bias)
+    return decoder_layer(h, net.layer, net.config, net.cos, net.sin, input_norm=False)[0]
+
+
 @torch.no_grad()
-def _reference_drafts(net, vocab_ids, context: list[int], features: torch.Tensor, k: int) -> list[int]:
-    """k greedy drafts, recomputing the head over the whole sequence for each: row t reads
-    (x_{t+1}, f_t); rows past the target's features read the head's own outputs."""
-    ids, feats, drafts = list(context), [f for f in features.float()], []
+def _reference_chain(net, vocab_ids, context: list[int], features: torch.Tensor, k: int):
+    """k greedy drafts and the f^ behind each, recomputing the head over the whole sequence
+    for each: rows past the target's features read the head's own outputs."""
+    ids, feats, drafts, outs = list(context), [f for f in features.float()], [], []
     for _ in range(k):
-        out = net(torch.tensor([ids[1:]]), torch.stack(feats)[None])[0, -1]
+        out = _recompute(net, ids, feats)[-1]
         token = int(vocab_ids[int((out @ net.head.t()).argmax())])
         drafts.append(token)
+        outs.append(out)
         ids.append(token)
         feats.append(out)
-    return drafts
+    return drafts, outs
+
+
+def _reference_drafts(net, vocab_ids, context: list[int], features: torch.Tensor, k: int) -> list[int]:
+    return _reference_chain(net, vocab_ids, context, features, k)[0]
+
+
+def test_chain_rows_follow_the_targets_path_by_hand():
+    # Position 0 is prompt (no label); the target's choice at position 3 (99) leaves the text.
+    x, y = [10, 11, 12, 13, 14], [-1, 12, 13, 99, 20]
+    chain, target, valid = chain_rows(x, y, 3)
+    assert chain.tolist() == [[11, 12, 13], [12, 13, 0], [13, 0, 0], [14, 0, 0]]
+    assert target.tolist() == [[12, 13, 99], [13, 99, -1], [99, -1, -1], [20, -1, -1]]
+    assert valid.tolist() == [[True, True, True], [True, True, False], [True, False, False], [True, False, False]]
+
+
+@pytest.fixture(scope="module")
+def perturbed_head(tiny_eagle, model):
+    """The miniature head with noise on its output projections, so that attention and the
+    MLP matter (four training steps leave it close to "f^ = f")."""
+    net, vocab_ids = _reference_net(model, tiny_eagle[0])
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in (net.layer.wo, net.layer.w_down, net.fc_weight):
+            w.add_(0.05 * torch.randn(w.shape, generator=gen))
+    return net, vocab_ids
+
+
+@pytest.mark.slow
+def test_unrolled_steps_are_what_drafting_computes(perturbed_head, model, tokenizer):
+    """`EagleNet.unroll` (training-time test) runs k draft steps from every row at once;
+    each row's chain must equal drafting from that row alone, recomputed from scratch, while
+    the other rows are fed unrelated tokens."""
+    net, vocab_ids = perturbed_head
+    ids = load_prompts("chat", tokenizer)[0]
+    feats = _features(model, ids).float()
+    k, n = 3, len(ids) - 1
+    chain = torch.randint(5, 40000, (1, n, k), generator=torch.Generator().manual_seed(1))
+    chain[0, :, 0] = torch.tensor(ids[1:])
+    rows = [0, 3, n // 2, n - 1]
+    refs = {}
+    for t in rows:
+        refs[t] = _reference_chain(net, vocab_ids, ids[: t + 2], feats[: t + 1], k)
+        chain[0, t, 1:] = torch.tensor(refs[t][0][:-1])
+    with torch.no_grad():
+        outs = net.unroll(chain, feats[None, :-1])
+    assert len(outs) == k
+    for t in rows:
+        drafts, want = refs[t]
+        for j in range(k):
+            torch.testing.assert_close(outs[j][0, t], want[j], atol=2e-3, rtol=1e-3)
+        assert [int(vocab_ids[int((o[0, t] @ net.head.t()).argmax())]) for o in outs] == drafts
+    # Step 1 is the head over real features: the recompute's rows.
+    torch.testing.assert_close(outs[0][0], _recompute(net, ids, list(feats[:-1])), atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_held_out_acceptance_length_counts_drafts_that_match_in_order(perturbed_head, model, tokenizer):
+    """The recipe's held-out figures against drafting from every row alone: agreement is
+    draft 1 against the target's token; acceptance length 1 + the leading drafts of k = 4
+    that are the target's next tokens, over rows with four labelled tokens ahead."""
+    net, vocab_ids = perturbed_head
+    remap = np.full(model.config.vocab_size, -100, np.int64)
+    remap[vocab_ids] = np.arange(vocab_ids.size)
+    # An answer made of the head's own three-token chains, each followed by " the", so that
+    # matches of every length occur; labels are the answer's tokens (as the recipe's are).
+    prompt = load_prompts("chat", tokenizer)[1]
+    other = tokenizer.encode(" the")[0]
+    answer: list[int] = []
+    for _ in range(3):
+        ctx = prompt + answer
+        answer += _reference_drafts(net, vocab_ids, ctx, _features(model, ctx)[:-1], 3) + [other]
+    x, y = prompt + answer[:-1], [-1] * (len(prompt) - 1) + answer
+    feats = _features(model, x)
+    figures = held_out_figures(net, [(x, y)], [feats], remap, k=4)
+    hits, lengths = 0, []
+    for t in range(len(prompt) - 2, len(x) - 1):  # rows whose next token is an answer token
+        drafts = _reference_drafts(net, vocab_ids, x[: t + 2], feats[: t + 1], 4)
+        hits += drafts[0] == y[t + 1]
+        if t + 4 <= len(x) - 1:
+            ok = [d == y[t + 1 + j] for j, d in enumerate(drafts)]
+            lengths.append(1 + (ok + [False]).index(False))
+    assert len(lengths) == len(answer) - 3 and max(lengths) >= 3
+    assert figures["held_out_agreement"] == pytest.approx(hits / len(answer))
+    assert figures["held_out_acceptance_length"] == pytest.approx(np.mean(lengths))
 
 
 @pytest.mark.slow
