@@ -21,9 +21,10 @@ by the target), read from a `corpus.pt` it wrote (`--corpus`) or built afresh. T
    22% at the second, after a first that was right). So each
    batch runs `unroll` draft steps from every row at once (`EagleNet.unroll`: step j + 1
    of row t reads its own step-j output and attends to the real rows up to t and to its
-   own earlier steps, exactly as the proposer's KV cache does), and step j + 1 is trained
-   on the target's feature and token j positions further on, weighted `unroll_decay ** j`,
-   wherever the text follows the target's own choices that far (`chain_rows`).
+   own earlier steps, exactly as the proposer's KV cache does), and step j + 1 of row t is
+   trained on the target's feature of position t + j + 1 and the target's token after it,
+   weighted `unroll_decay ** j`, wherever the text follows the target's own choices that
+   far (`chain_rows`).
 5. **Output** (`OUT/`): `model.safetensors` in the published EAGLE-1 layout (`fc.weight`,
    `fc.bias`, `layers.0.*`) plus `splitspec.vocab_ids`, bfloat16; `config.json` (HF Llama
    config, one layer, with a `splitspec` block: kind eagle, vocabulary fingerprint, weights
