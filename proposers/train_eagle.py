@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _Layer, _Progress, fit, length_groups,
+from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _figures, _Layer, _Progress, fit, length_groups,
                              load_or_build_corpus, round_to_bfloat16, vocab_subset, write_outputs)
 from verifier.models.llama import LlamaModel, rotate_half
 from verifier.models.tokenizer import Tokenizer
@@ -91,7 +91,8 @@ def target_features(model: LlamaModel, seqs: list[tuple[list[int], list[int]]], 
 
 
 class EagleNet(nn.Module):
-    """The head for training over padded [B, L] batches (same math as proposers/eagle.py)."""
+    """The head for training over padded [B, L] batches, run by `unroll` (same math as
+    proposers/eagle.py)."""
 
     def __init__(self, target: LlamaModel, init_layer: int, vocab_ids: np.ndarray) -> None:
         super().__init__()
@@ -109,10 +110,6 @@ class EagleNet(nn.Module):
                              persistent=False)
         self.register_buffer("cos", target._cos.float(), persistent=False)
         self.register_buffer("sin", target._sin.float(), persistent=False)
-
-    def forward(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """next_ids int64 [B, L] (x_{t+1}), features [B, L, H] (f_t) -> f^_{t+1} [B, L, H]."""
-        return self.unroll(next_ids[..., None], features)[0]
 
     def unroll(self, chain: torch.Tensor, features: torch.Tensor) -> list[torch.Tensor]:
         """Draft steps 1 .. D from every row at once, as drafting runs them (training-time test).
@@ -297,7 +294,7 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
     info = {
         "command": command, "recipe": dataclasses.asdict(cfg), "corpus": corpus.stats,
         "vocab_subset_coverage": round(coverage, 4), "features_s": round(features_s, 1), "history": history,
-        **{k: round(v, 4) for k, v in final.items()}, "train_s": round(train_s, 1),
+        **_figures(final), "train_s": round(train_s, 1),
         "total_s": round(time.perf_counter() - started, 1),
     }
     write_outputs(out, target, tokenizer, 1, {"kind": "eagle", "base_model": base, "vocab_subset": int(vocab_ids.size)},
