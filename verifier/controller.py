@@ -7,10 +7,10 @@ pass time for its number of tokens) and `observe_proposer` (a method's round-tri
 What it maximises (DESIGN.md, "Controller") is batch goodput, tokens emitted per second
 of verifier time:
 
-    G(k_1..k_B) = sum_i E[tokens_i(k_i)] / (T(n + sum_i (k_i + 1)) + L)
+    G(k_1..k_B) = sum_i E[tokens_i(k_i)] / (T(sum_i (k_i + 1)) + L)
 
-where n is the prompt tokens prefilled in the same pass, T the step-time curve, L the
-slowest proposer used this round (the methods are asked in parallel, before the pass) and
+where T is the step-time curve, L the slowest proposer used this round (the methods are
+asked in parallel, before the pass) and
 
     E[tokens_i(k)] = 1 + p_i (alpha_i(1) + ... + alpha_i(k)),   alpha_i(j) = c_i(1) * ... * c_i(j)
 
@@ -24,6 +24,13 @@ every prefix and keeps the best: exact for a given method per sequence, whatever
 
 Worked example: one sequence, T(n) = 20 ms + 0.5 ms * n, L = 1 ms. k = 1 pays when
 (1 + alpha(1)) / (T(2) + L) > 1 / T(1), i.e. alpha(1) > (0.5 + 1) / 20.5 = 0.073.
+
+Prompts prefilled in the same pass (n tokens) are not in the baseline the drafts compete
+with: the pass is priced as the running sequences' decode pass, T(B), plus what the drafts
+add to the real one, T(n + sum_i (k_i + 1)) - T(n + B) (`Controller._pass_time`). Counted
+in the baseline, the prefill made the pass's own goodput low and any draft look good
+beside it (measured in the engine at 32 slots on code_edit: auto verified about 100 drafts
+in each pass that carried prompts, where a decode pass of 32 took none, and lost to `off`).
 
 Cheap methods are asked first and trimmed after. Weighing a draft by p_i before knowing
 whether it comes spreads its cost over the step of T: on a CPU verifier a pass of 9-16
@@ -175,19 +182,27 @@ class Decision:
 class StepTimeModel:
     """T(n, b): seconds of one verifier pass over n tokens of b sequences,
 
-        T(n, b) = T_tokens(n) + S(b)
+        T(n, b) = T_tokens(n) + S(b) + X(b) * (n - b)
 
     T_tokens piecewise linear between points measured on one sequence (extrapolated along
     the last segment). S(b) is what b sequences cost beyond one sequence of the same token
     count (their attention over their own contexts, per-sequence work): learned at each
     batch size the verifier runs, `per_seq_s * (b - 1)` (profiled) at those it has not run
-    yet. Drafts add tokens, not sequences, so their cost is T_tokens' slope. `rows(n)` is the
+    yet. Drafts add tokens, not sequences, so their cost is T_tokens' slope plus X(b), what a
+    draft costs beyond it in a pass of b sequences (its attention over its own sequence's
+    context, the verification rounds' attention apart from the decodes'): 0 until learned.
+    `rows(n)` is the
     row count a pass of n tokens really runs at (the CPU verifier pads its GEMMs,
     `LlamaModel.gemm_rows`): an integer n is priced at `rows(n)`, so T is flat between
     padded sizes, and a fractional (expected) n between its two integer neighbours.
 
     `observe` refreshes T by EWMA: a one-sequence pass corrects the nearest point (keeping
-    T_tokens non-decreasing); a pass of b > 1 sequences corrects S(b) only. Correcting the
+    T_tokens non-decreasing); a pass of b > 1 sequences corrects S(b) only, or, when it
+    reports its draft count d (no prompt prefilled in it), S(b) and X(b) together: a least
+    squares line of the error against d over the recent passes at b (moments decayed by
+    `fit_decay` per pass), X(b) >= 0 and kept as it is while d has varied too little to
+    tell (variance under `FIT_MIN_VAR`). So X(b) is learned where drafts come and go, and a
+    batch that never drafts keeps X(b) = 0. Correcting the
     points, or one shared per-sequence slope, from many-sequence passes is not identifiable:
     at a steady batch of 32 every pass has b = 32, so any error fits either term, and wide
     verification passes that ran slower than priced drove a shared slope up until a plain
@@ -204,8 +219,10 @@ class StepTimeModel:
     (0.03, 0.025)
     """
 
+    FIT_MIN_VAR = 4.0  # draft tokens squared
+
     def __init__(self, points: Sequence[tuple[int, float]], per_seq_s: float = 0.0, ewma: float = 0.2,
-                 rows: Callable[[int], int] | None = None) -> None:
+                 rows: Callable[[int], int] | None = None, fit_decay: float = 0.05) -> None:
         pts = sorted((int(n), float(t)) for n, t in points)
         if not pts or pts[0][0] < 1 or per_seq_s < 0:
             raise ValueError(f"need points with n >= 1 and per_seq_s >= 0, got {points}, {per_seq_s}")
@@ -216,6 +233,11 @@ class StepTimeModel:
         self.rows = rows
         #: S(b) learned from passes of b > 1 sequences (`observe`).
         self.seq_s_by_batch: dict[int, float] = {}
+        #: X(b): what a draft token adds beyond T_tokens' slope at b sequences (learned).
+        self.draft_s_by_batch: dict[int, float] = {}
+        self.fit_decay = fit_decay
+        # Per b: decayed moments (weight, d, e, d^2, d e) of the draft count d and the error e.
+        self._moments: dict[int, list[float]] = {}
         self._monotone(0)
 
     @classmethod
@@ -249,20 +271,46 @@ class StepTimeModel:
         learned = self.seq_s_by_batch.get(b)
         return self.per_seq_s * (b - 1) if learned is None else learned
 
-    def __call__(self, n: float, b: int = 1) -> float:
-        return max(self.tokens_s(n) + self.seq_s(b), 1e-6)
+    def draft_s(self, b: int) -> float:
+        """X(b): what a draft token adds beyond T_tokens' slope in a pass of b sequences."""
+        return self.draft_s_by_batch.get(b, 0.0)
 
-    def observe(self, n: int, b: int, seconds: float) -> None:
+    def __call__(self, n: float, b: int = 1) -> float:
+        return max(self.tokens_s(n) + self.seq_s(b) + self.draft_s(b) * max(n - b, 0.0), 1e-6)
+
+    def observe(self, n: int, b: int, seconds: float, num_drafts: int | None = None) -> None:
+        """A pass of n tokens of b sequences took `seconds`; `num_drafts`: its draft tokens
+        when it prefilled no prompt (None: unknown or a prompt was in it)."""
         n = n if self.rows is None else self.rows(n)
         i = min(range(len(self.n)), key=lambda j: abs(math.log(self.n[j] / n)))
         if abs(math.log(self.n[i] / n)) > math.log(1.2):
             return
+        if b > 1 and num_drafts is not None:
+            self._fit(b, num_drafts, seconds - self.tokens_s(n))
+            return
         if b > 1:  # S(b) only; it may go negative (many short contexts beat one long one)
             seq = self.seq_s(b)
-            self.seq_s_by_batch[b] = seq + self.ewma * (seconds - self.tokens_s(n) - seq)
+            self.seq_s_by_batch[b] = seq + self.ewma * (seconds - self.tokens_s(n) - self.draft_s(b) * (n - b) - seq)
             return
         self.t[i] = max(self.t[i] + self.ewma * (seconds - self.tokens_s(n)), 1e-6)
         self._monotone(i)
+
+    def _fit(self, b: int, d: float, error: float) -> None:
+        """S(b) and X(b) from the least squares line error = S(b) + X(b) d over the decayed
+        recent passes at b (the first pass at b starts from S(b)'s prior, weight 1)."""
+        m = self._moments.get(b)
+        if m is None:
+            s0 = self.seq_s(b)
+            m = self._moments[b] = [1.0, 0.0, s0, 0.0, 0.0]
+        keep = 1.0 - self.fit_decay
+        for j, v in enumerate((1.0, d, error, d * d, d * error)):
+            m[j] = keep * m[j] + v
+        w, sd, se, sdd, sde = m
+        mean_d, mean_e = sd / w, se / w
+        var = sdd / w - mean_d**2
+        if var >= self.FIT_MIN_VAR:
+            self.draft_s_by_batch[b] = max((sde / w - mean_d * mean_e) / var, 0.0)
+        self.seq_s_by_batch[b] = mean_e - self.draft_s(b) * mean_d
 
     def _monotone(self, anchor: int) -> None:
         for j in range(anchor + 1, len(self.t)):
@@ -369,10 +417,11 @@ class Controller:
         # The method-wide prior moves slower: it summarises many sequences.
         self._global[method].observe(k, num_accepted, w / 4)
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        """A verifier pass over `num_tokens` tokens of `num_seqs` sequences took `seconds`."""
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, num_drafts: int | None = None) -> None:
+        """A verifier pass over `num_tokens` tokens of `num_seqs` sequences took `seconds`;
+        `num_drafts`: its draft tokens when it prefilled no prompt (None otherwise)."""
         if self.step_time is not None and num_tokens > 0:
-            self.step_time.observe(num_tokens, num_seqs, seconds)
+            self.step_time.observe(num_tokens, num_seqs, seconds, num_drafts)
 
     def observe_proposer(self, method: str, seconds: float) -> None:
         """A proposer round trip (a failure counts as the time it took to fail)."""
@@ -436,7 +485,7 @@ class Controller:
             else:
                 auto.append(i)
         if auto:
-            self._goodput(seqs, auto, decisions, live, num_prefill_tokens, len(seqs) + num_prefill_seqs)
+            self._goodput(seqs, auto, decisions, live, self._pass_time(len(seqs), num_prefill_tokens, num_prefill_seqs))
         out = [d for d in decisions if d is not None]
         assert len(out) == len(seqs), f"{len(out)=} {len(seqs)=}"
         for d in out:
@@ -455,8 +504,8 @@ class Controller:
         out = [n for _, _, n, _ in rounds]
         if self.step_time is None or not any(n and reason == "goodput" for _, _, n, reason in rounds):
             return out  # nothing to cut (static policies: every round)
-        batch = len(rounds) + num_prefill_seqs
-        fixed_tokens = float(num_prefill_tokens + len(rounds) + sum(out))
+        t = self._pass_time(len(rounds), num_prefill_tokens, num_prefill_seqs)
+        fixed_tokens = float(len(rounds) + sum(out))
         fixed_expected = float(len(rounds))
         candidates: list[tuple[float, float, int, str]] = []
         for i, (seq_id, method, n, reason) in enumerate(rounds):
@@ -470,7 +519,7 @@ class Controller:
             out[i] = 0
             candidates.extend((a, 1.0, i, method) for a in alphas)
         ks = self._best_prefix(candidates, lambda gained, tokens, methods: (
-            (fixed_expected + gained) / self.step_time(fixed_tokens + tokens, batch)))
+            (fixed_expected + gained) / t(fixed_tokens + tokens)))
         for i, k in ks.items():
             out[i] = k
         return out
@@ -529,16 +578,26 @@ class Controller:
         if method is not None:
             state.idle[method] = 0
 
+    def _pass_time(self, num_seqs: int, num_prefill_tokens: int, num_prefill_seqs: int) -> Callable[[float], float]:
+        """This pass's time as the drafts are priced, over n tokens of the `num_seqs` running
+        sequences (one each plus drafts): their decode pass, T(num_seqs), plus what the
+        drafts add to the real pass, prompts prefilled beside them included (see the
+        module docstring)."""
+        T = self.step_time
+        assert T is not None, "policy goodput needs a step-time model (Engine.profile_step_time)"
+        if not num_prefill_tokens:
+            return lambda n: T(n, num_seqs)
+        batch = num_seqs + num_prefill_seqs
+        base = T(num_seqs, num_seqs)
+        full = T(num_prefill_tokens + num_seqs, batch)
+        return lambda n: base + T(num_prefill_tokens + n, batch) - full
+
     def _goodput(self, seqs: Sequence[SequenceView], auto: list[int], decisions: list[Decision | None],
-                 live: list[str], num_prefill_tokens: int, batch: int) -> None:
+                 live: list[str], t: Callable[[float], float]) -> None:
+        """`t`: the pass's time over the running sequences' n tokens (`_pass_time`)."""
         s = self.settings
-        assert self.step_time is not None, "policy goodput needs a step-time model (Engine.profile_step_time)"
-
-        def t(n: float) -> float:  # this pass's time over n tokens: the batch is fixed
-            return self.step_time(n, batch)
-
         # Tokens and expected emissions that are already fixed (other decisions, probes).
-        fixed_tokens = float(num_prefill_tokens + len(seqs))
+        fixed_tokens = float(len(seqs))
         fixed_expected = float(len(seqs))
         fixed_methods: set[str] = set()
         for d in decisions:

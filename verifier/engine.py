@@ -463,7 +463,9 @@ class Engine:
             self._shadow_calls = []
         self.stats.num_steps += 1
         num_tokens = sum(len(w.input_token_ids) for w in works)
-        self.controller.observe_step(num_tokens, len(works), seconds)
+        # A pass without prompts tells the step-time model what its drafts cost.
+        num_drafts = None if admitted else num_tokens - len(works)
+        self.controller.observe_step(num_tokens, len(works), seconds, num_drafts)
         emitted_before = self.stats.num_output_tokens
         for work in works:
             self._commit(work)

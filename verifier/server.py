@@ -144,5 +144,8 @@ class VerifierServer:
                 # S(b): what b sequences add to a pass, learned per batch size (StepTimeModel).
                 "batch_step_ms": None if step_time is None else {
                     b: round(t * 1e3, 2) for b, t in sorted(step_time.seq_s_by_batch.items())},
+                # X(b): what a draft token adds beyond the token curve's slope at b sequences.
+                "draft_token_ms": None if step_time is None else {
+                    b: round(t * 1e3, 3) for b, t in sorted(step_time.draft_s_by_batch.items())},
             },
         }

@@ -96,6 +96,28 @@ def test_step_time_learns_what_sequences_add_at_each_batch_size():
     assert m.seq_s(16) == pytest.approx(-0.020, abs=1e-4) and m(96, b=16) == pytest.approx(0.100, abs=1e-4)
 
 
+
+def test_step_time_learns_what_a_draft_adds_at_a_batch_size():
+    # Token curve 10 ms + 1 ms per token, a point every 4 tokens (every pass lies near one).
+    m = StepTimeModel([(n, 0.010 + 0.001 * n) for n in range(4, 133, 4)], per_seq_s=0.002)
+    rng = random.Random(0)
+    # At b = 8, passes of 8 + d tokens (d drafts, 0-24): 8 sequences add 20 ms and a draft
+    # 0.5 ms beyond the curve's slope. The least squares line finds both.
+    for _ in range(200):
+        d = rng.randint(0, 24)
+        m.observe(8 + d, 8, m.tokens_s(8 + d) + 0.020 + 0.0005 * d, num_drafts=d)
+    assert m.draft_s(8) == pytest.approx(0.0005, rel=1e-3) and m.seq_s(8) == pytest.approx(0.020, rel=1e-3)
+    assert m(24, b=8) - m(8, b=8) == pytest.approx(16 * (0.001 + 0.0005), rel=1e-3)
+    # Drafts stop (d = 0 from now on): too little variance left to tell, X(8) stays.
+    for _ in range(200):
+        m.observe(8, 8, m.tokens_s(8) + 0.020, num_drafts=0)
+    assert m.draft_s(8) == pytest.approx(0.0005, rel=1e-3) and m.seq_s(8) == pytest.approx(0.020, rel=1e-3)
+    # A batch size that never drafts learns S(b) alone; X(b) stays 0 and no other b moves.
+    for _ in range(100):
+        m.observe(16, 16, m.tokens_s(16) + 0.030, num_drafts=0)
+    assert m.draft_s(16) == 0.0 and m.seq_s(16) == pytest.approx(0.030, rel=1e-3)
+    assert m.draft_s(32) == 0.0 and m.seq_s(32) == pytest.approx(31 * 0.002)
+
 # ---------------------------------------------------------------------- turning off and back on
 def test_low_acceptance_sequence_is_off_within_seven_rounds_and_probed_back():
     # Every draft is rejected at position 1: c(1) = 0.6 * 0.7^n after n rounds (EWMA 0.3),
@@ -201,6 +223,31 @@ def test_slow_proposer_is_named():
 # pad their rows to 16 (here 2-16 tokens, 131 ms), then rising. Drafting 8 tokens costs as
 # much as drafting 1.
 STEP_SHAPED = StepTimeModel([(1, 0.076), (2, 0.131), (16, 0.131), (32, 0.200)])
+
+
+
+def test_prompts_prefilled_in_the_pass_do_not_make_drafts_look_cheap():
+    # c(j) = 0.02: alone, k = 1 would need alpha(1) > (0.5 + 1) / 20.5 = 0.073: off.
+    # A 200-token prompt prefilled in the same pass (T(201) = 120.5 ms) must not change
+    # that: the drafts compete with the running sequence's decode pass, 20.5 ms, and add
+    # what they add to the real pass (0.5 ms each here). Priced inside the whole pass,
+    # k = 1 would look good: 1.02 / (121 + 1) = 0.00836 > 1 / 120.5 = 0.00830.
+    c = _controller()
+    c._state("s").by_method["ngram"] = AcceptanceEstimate([0.02] * 8)
+    for prefill in ((0, 0), (200, 1)):
+        assert c.plan([SequenceView("s")], None, *prefill)[0] == Decision(None, 0, "low_acceptance")
+        # trim, the proposer's time spent: a draft pays iff alpha > 0.5 E / T = 0.5 / 20.5 =
+        # 0.024; in the whole pass the bar would be 0.5 / 120.5 = 0.0041.
+        assert c.trim([("s", "ngram", 8, "goodput")], *prefill) == [0]
+    # A sequence worth drafting still drafts beside a prompt. On the step-shaped curve a
+    # lone sequence's drafts are free up to 16 tokens, but beside a 200-token prompt each
+    # costs the slope there, 69 / 16 = 4.3125 ms: with c(j) = 0.5 goodput is
+    # (1 + S_k) / (76 + 4.3125 k + 1): k = 2 0.020438, k = 3 1.875 / 89.94 = 0.020848,
+    # k = 4 0.020557, so k = 3 (alone: k = 8, (1 + 0.996) / 132 = 0.01512 > 1 / 76).
+    c = _controller(step_time=STEP_SHAPED)
+    c._state("s").by_method["ngram"] = AcceptanceEstimate([0.5] * 8)
+    assert c.plan([SequenceView("s")])[0].k == 8
+    assert c.plan([SequenceView("s")], None, 200, 1)[0] == Decision("ngram", 3, "goodput")
 
 
 def test_cheap_method_is_asked_for_the_cap_when_a_draft_would_pay():

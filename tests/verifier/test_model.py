@@ -241,6 +241,46 @@ def test_grouped_verification_spans_match_each_sequence_alone(model, prompts):
     assert sum(s.grouped for s in spans) == 6
 
 
+def test_gathered_verification_spans_match_each_sequence_alone(model, prompts):
+    """Five decodes and three verification rounds of 3, 9 and 5 tokens spread over slots
+    0-8 (idle slot 6 among them): at width 9 or 5 the rounds' tokens fill too little of the
+    range's rows, so the decodes group over the range at width 1 and the rounds are
+    gathered into a group of their own over their three slots, 9 query rows each; a
+    12-token prefill beside them keeps its own path. Every row equals the sequence alone."""
+    from verifier.models.llama import GATHER_MIN, _SeqSpan, _SpanGroup
+
+    text = prompts["chat"] + prompts["code"]
+    prefix_lens = {0: 7, 1: 50, 2: 12, 3: 31, 4: 9, 5: 44, 7: 21, 8: 26, 9: 0}  # slot -> tokens cached
+    widths = {0: 1, 1: 3, 2: 1, 3: 1, 4: 9, 5: 1, 7: 1, 8: 5, 9: 12}
+    new = {slot: text[n : n + widths[slot]] for slot, n in prefix_lens.items()}
+    alone, batched, cache = run_alone_and_together(model, text, prefix_lens, new, num_slots=10, idle=6)
+    assert cache.lens == [8, 53, 13, 32, 18, 45, 0, 22, 31, 12]
+    err = max_abs(batched, alone)
+    assert err < BATCH_ATOL, f"{err=}"
+    assert torch.equal(batched.argmax(-1), alone.argmax(-1))
+
+    # The groups, by hand. At widths 9, 5 and 3 the short spans fill too little of the
+    # range's rows (22 of 9 x 9, 13 of 9 x 5, 8 of 8 x 3), so the range group is the five
+    # decodes at width 1 over slots 0-7; the three rounds are gathered.
+    slots = list(prefix_lens)
+    starts = dict(zip(slots, [sum(widths[s] for s in slots[:i]) for i in range(len(slots))]))
+    spans = [_SeqSpan(s, starts[s], widths[s], prefix_lens[s] + widths[s], None, False) for s in slots]
+    ranged = _SpanGroup.of(spans)
+    assert (ranged.lo, ranged.hi, ranged.width, ranged.slots) == (0, 8, 1, None)
+    gathered = _SpanGroup.gathered(spans)
+    assert len(spans) - sum(s.grouped for s in spans) == 1  # the prefill
+    assert 3 >= GATHER_MIN
+    assert gathered.slots.tolist() == [1, 4, 8] and (gathered.width, gathered.kv_len) == (9, 53)
+    assert gathered.slot_index.tolist() == [0] * 3 + [1] * 9 + [2] * 5
+    assert gathered.row_index.tolist() == [0, 1, 2] + list(range(9)) + list(range(5))
+    assert gathered.token_index.tolist() == [1, 2, 3] + list(range(6, 15)) + list(range(17, 22))
+    # Row j of slot 1 (50 cached) sees keys 0 .. 50 + j; dead rows key 0 only.
+    allowed = (~gathered.blocked[:, 0, 0]).sum(-1).tolist()
+    assert allowed == [[51, 52, 53] + [1] * 6, list(range(10, 19)), [27, 28, 29, 30, 31] + [1] * 4]
+    # Fewer than GATHER_MIN rounds left out: no gathered group, the round attends alone.
+    spans = [_SeqSpan(s, 0, 5 if s == 3 else 1, 40, None, False) for s in range(8)]
+    assert _SpanGroup.of(spans).width == 1 and _SpanGroup.gathered(spans) is None
+
 def test_chunked_prefill_matches_one_shot(model, prompts):
     """Chunks [0:20] (causal from 0), [20:21] (decode path) and [21:72] (masked)."""
     token_ids = prompts["code"]

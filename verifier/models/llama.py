@@ -8,7 +8,9 @@ Linear layers run once over all T tokens (on CPU padded to `gemm_rows(T)` rows, 
 row counts MKL is fast at). Attention runs against each sequence's own cache slot: the
 short spans of a pass (decode steps and verification rounds, 4 or more of them) as one
 batched product over their slot range, each query masked to its own causal prefix
-(`_SpanGroup`); prefills and any span left out of the group one sequence at a time.
+(`_SpanGroup.of`); the verification rounds too wide for that range (2 or more) as a second
+batched product over a copy of their own slots' caches (`_SpanGroup.gathered`); prefills
+and any other span one sequence at a time.
 
 Weights are kept in HF layout (q/k rows ordered for `rotate_half` RoPE), fused as
 `wqkv` [(H + 2 Hkv) D, hidden] and `w_gate_up` [2 I, hidden] to halve the number of
@@ -53,11 +55,12 @@ class _SeqSpan:
 
 @dataclasses.dataclass
 class _SpanGroup:
-    """The short spans of a pass (decode steps and verification rounds, at most
-    `GROUP_MAX_WIDTH` tokens each) whose attention runs as one batched product over the
-    cache's slot range [lo, hi) (a view, no copy), instead of one product each.
+    """Short spans of a pass (decode steps and verification rounds, at most
+    `GROUP_MAX_WIDTH` tokens each) whose attention runs as one batched product, instead of
+    one product each, over a set of cache slots: the slot range [lo, hi) (a view, no copy;
+    `slots` None) or the member slots gathered into a copy (`slots`).
 
-    Each slot of the range gets `width` query rows (the longest member span); member j's
+    Each slot of the set gets `width` query rows (the longest member span); member j's
     query sits in row j of its slot, the other rows are dead (they attend key 0 only and
     their outputs are dropped).
     """
@@ -66,17 +69,23 @@ class _SpanGroup:
     hi: int
     width: int  # W: query rows per slot
     kv_len: int  # the longest cache among the members
-    slot_index: torch.Tensor  # int64 [m]: slot - lo of each member token
+    slot_index: torch.Tensor  # int64 [m]: the slot's place in the set of each member token
     row_index: torch.Tensor  # int64 [m]: its query row in the slot, 0 .. W - 1
     token_index: torch.Tensor  # int64 [m]: its row in the flat batch
-    blocked: torch.Tensor  # bool [hi - lo, 1, 1, W, kv_len]: True = may not attend
+    blocked: torch.Tensor  # bool [n, 1, 1, W, kv_len] (n slots in the set): True = may not attend
+    slots: torch.Tensor | None = None  # int64 [n]: the gathered slots; None: the range [lo, hi)
+
+    @property
+    def num_slots(self) -> int:
+        return self.hi - self.lo if self.slots is None else int(self.slots.shape[0])
 
     @classmethod
     def of(cls, spans: list[_SeqSpan], device: torch.device | str = "cpu") -> "_SpanGroup | None":
-        """Group the spans of at most W tokens, W the widest width (up to
-        `GROUP_MAX_WIDTH`) at which there are at least `GROUP_MIN` of them and their tokens
-        fill at least `GROUP_MIN_FILL` of the range's W query rows per slot (every slot of
-        the range, idle or not, costs W rows of attention). None when no width qualifies."""
+        """Group the spans of at most W tokens over their slot range, W the widest width
+        (up to `GROUP_MAX_WIDTH`) at which there are at least `GROUP_MIN` of them and their
+        tokens fill at least `GROUP_MIN_FILL` of the range's W query rows per slot (every
+        slot of the range, idle or not, costs W rows of attention). None when no width
+        qualifies."""
         widths = sorted({s.num_tokens for s in spans if s.num_tokens <= GROUP_MAX_WIDTH}, reverse=True)
         for width in widths:
             members = [s for s in spans if s.num_tokens <= width]
@@ -86,16 +95,34 @@ class _SpanGroup:
                 break
         else:
             return None
+        return cls._build(members, {slot: slot - lo for slot in range(lo, hi)}, width, lo, hi, None, device)
+
+    @classmethod
+    def gathered(cls, spans: list[_SeqSpan], device: torch.device | str = "cpu") -> "_SpanGroup | None":
+        """Group the short spans that `of` left out (the verification rounds wider than the
+        range group's width) over their own slots, gathered: at least `GATHER_MIN` of them,
+        W their widest. None when there are fewer."""
+        members = [s for s in spans if not s.grouped and s.num_tokens <= GROUP_MAX_WIDTH]
+        if len(members) < GATHER_MIN:
+            return None
+        slots = [s.slot for s in members]
+        width = max(s.num_tokens for s in members)
+        return cls._build(members, {slot: i for i, slot in enumerate(slots)}, width, 0, 0,
+                          torch.tensor(slots, dtype=torch.int64, device=device), device)
+
+    @classmethod
+    def _build(cls, members: list[_SeqSpan], place: dict[int, int], width: int, lo: int, hi: int,
+               slots: torch.Tensor | None, device: torch.device | str) -> "_SpanGroup":
         kv_len = max(s.kv_len for s in members)
-        # last[slot, j]: the last key position query row j of the slot may attend;
+        # last[i, j]: the last key position query row j of the set's slot i may attend;
         # 0 for dead rows and idle slots.
-        last = torch.zeros(hi - lo, width, dtype=torch.int64)
+        last = torch.zeros(len(place), width, dtype=torch.int64)
         slot_index, row_index, token_index = [], [], []
         for s in members:
             s.grouped = True
             start = s.kv_len - s.num_tokens
-            last[s.slot - lo, : s.num_tokens] = torch.arange(start, s.kv_len)
-            slot_index += [s.slot - lo] * s.num_tokens
+            last[place[s.slot], : s.num_tokens] = torch.arange(start, s.kv_len)
+            slot_index += [place[s.slot]] * s.num_tokens
             row_index += range(s.num_tokens)
             token_index += range(s.token_start, s.token_start + s.num_tokens)
         blocked = torch.arange(kv_len).view(1, 1, kv_len) > last.unsqueeze(-1)
@@ -104,7 +131,7 @@ class _SpanGroup:
             return torch.tensor(xs, dtype=torch.int64, device=device)
 
         return cls(lo, hi, width, kv_len, index(slot_index), index(row_index), index(token_index),
-                   blocked.view(hi - lo, 1, 1, width, kv_len).to(device))
+                   blocked.view(len(place), 1, 1, width, kv_len).to(device), slots)
 
 
 # Spans in a pass from which their attention is batched. Measured here (contexts of
@@ -119,6 +146,13 @@ class _SpanGroup:
 GROUP_MIN = 4
 # The share of a group's query rows (slots x width) its members must fill.
 GROUP_MIN_FILL = 0.5
+# Spans left out of the range group (verification rounds wider than its width) from which
+# they are gathered into a group of their own. Measured here, one layer's attention, median
+# of 30, rounds on every 32 // m-th slot of 32, caches of L positions, one by one against
+# gathered (K/V copied): L = 300: 2 rounds of 5 0.31 ms against 0.19, 4 of 9 0.66 / 0.43,
+# 10 of 9 1.82 / 1.34, 16 of 5 1.97 / 1.30; L = 700: 2 of 5 0.39 / 0.27, 10 of 9
+# 2.90 / 2.45, 16 of 5 4.48 / 4.06. The range group over all 32 slots would cost 2-7 ms.
+GATHER_MIN = 2
 # The widest span that joins a group: a verification round of k = 8 (every slot of the
 # range pays W query rows, so a prefill chunk must not widen it).
 GROUP_MAX_WIDTH = 9
@@ -234,9 +268,13 @@ def _group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _
     _, H, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
-    n, W, m = group.hi - group.lo, group.width, group.token_index.shape[0]
-    k_r = k[group.lo : group.hi, :, : group.kv_len]  # [n, Hkv, L, D], a view
-    v_r = v[group.lo : group.hi, :, : group.kv_len]
+    n, W, m = group.num_slots, group.width, group.token_index.shape[0]
+    if group.slots is None:
+        k_r = k[group.lo : group.hi, :, : group.kv_len]  # [n, Hkv, L, D], a view
+        v_r = v[group.lo : group.hi, :, : group.kv_len]
+    else:  # a copy of the members' caches only
+        k_r = k[:, :, : group.kv_len].index_select(0, group.slots)
+        v_r = v[:, :, : group.kv_len].index_select(0, group.slots)
     qg = q.new_zeros(n, Hkv, G, W, D)
     # Advanced indices on dims 0 and 3 -> the indexed view is [m, Hkv, G, D].
     qg[group.slot_index, :, :, group.row_index] = q.index_select(0, group.token_index).view(m, Hkv, G, D)
@@ -332,7 +370,8 @@ class LlamaModel:
             spans.append(_SeqSpan(slot, offset, n, end, None, n > 1 and start == 0))
             offset += n
 
-        group = _SpanGroup.of(spans, self.device)
+        groups = [g for g in (_SpanGroup.of(spans, self.device), _SpanGroup.gathered(spans, self.device))
+                  if g is not None]  # `gathered` takes what `of` left
         for s in spans:  # the spans attending one by one: a continuation's causal mask
             if not s.grouped and s.num_tokens > 1 and not s.causal:
                 # query j sits at position start + j and may attend keys 0 .. start + j
@@ -346,7 +385,7 @@ class LlamaModel:
             input_embeds, rows)
         for li, layer in enumerate(self.layers):
             x = h if layer.input_norm is None else rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            h = h + self._attention(li, layer, x, spans, group, positions, token_slots, cos, sin, cache)
+            h = h + self._attention(li, layer, x, spans, groups, positions, token_slots, cos, sin, cache)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, layer.w_down)
@@ -369,7 +408,7 @@ class LlamaModel:
         layer: LayerWeights,
         x: torch.Tensor,
         spans: list[_SeqSpan],
-        group: _SpanGroup | None,
+        groups: list[_SpanGroup],
         positions: torch.Tensor,
         token_slots: torch.Tensor,
         cos: torch.Tensor,
@@ -389,7 +428,7 @@ class LlamaModel:
         cache.k[li][token_slots, :, positions] = k
         cache.v[li][token_slots, :, positions] = v.reshape(T, Hkv, D)
         out = torch.zeros(x.shape[0], H, D, dtype=x.dtype)
-        if group is not None:
+        for group in groups:
             out[group.token_index] = _group_attention(q, cache.k[li], cache.v[li], group)
         for s in spans:
             if s.grouped:
