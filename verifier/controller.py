@@ -288,9 +288,10 @@ class StepTimeModel:
         if b > 1 and num_drafts is not None:
             self._fit(b, num_drafts, seconds - self.tokens_s(n))
             return
-        if b > 1:  # S(b) only; it may go negative (many short contexts beat one long one)
+        if b > 1:  # S(b) only; it may go negative (many short contexts beat one long one).
+            # Prompt tokens are priced by the token curve alone (profiled on one sequence).
             seq = self.seq_s(b)
-            self.seq_s_by_batch[b] = seq + self.ewma * (seconds - self.tokens_s(n) - self.draft_s(b) * (n - b) - seq)
+            self.seq_s_by_batch[b] = seq + self.ewma * (seconds - self.tokens_s(n) - seq)
             return
         self.t[i] = max(self.t[i] + self.ewma * (seconds - self.tokens_s(n)), 1e-6)
         self._monotone(i)

@@ -112,6 +112,10 @@ def test_step_time_learns_what_a_draft_adds_at_a_batch_size():
     for _ in range(200):
         m.observe(8, 8, m.tokens_s(8) + 0.020, num_drafts=0)
     assert m.draft_s(8) == pytest.approx(0.0005, rel=1e-3) and m.seq_s(8) == pytest.approx(0.020, rel=1e-3)
+    # A pass that prefilled a prompt (draft count unknown) corrects S(8) by EWMA (0.2), its
+    # prompt tokens priced by the curve alone: 40 tokens, 25 ms over the curve -> S(8) = 21 ms.
+    m.observe(40, 8, m.tokens_s(40) + 0.025)
+    assert m.seq_s(8) == pytest.approx(0.021, rel=1e-3) and m.draft_s(8) == pytest.approx(0.0005, rel=1e-3)
     # A batch size that never drafts learns S(b) alone; X(b) stays 0 and no other b moves.
     for _ in range(100):
         m.observe(16, 16, m.tokens_s(16) + 0.030, num_drafts=0)
