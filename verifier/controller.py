@@ -29,8 +29,8 @@ Prompts prefilled in the same pass (n tokens) are not in the baseline the drafts
 with: the pass is priced as the running sequences' decode pass, T(B), plus what the drafts
 add to the real one, T(n + sum_i (k_i + 1)) - T(n + B) (`Controller._pass_time`). Counted
 in the baseline, the prefill made the pass's own goodput low and any draft look good
-beside it (measured in the engine at 32 slots on code_edit: auto verified about 100 drafts
-in each pass that carried prompts, where a decode pass of 32 took none, and lost to `off`).
+beside it (measured in the engine at 32 slots on code_edit: auto verified about 76 drafts
+in each pass that carried prompts, where a decode pass of 32 took 0-11, and lost to `off`).
 
 Cheap methods are asked first and trimmed after. Weighing a draft by p_i before knowing
 whether it comes spreads its cost over the step of T: on a CPU verifier a pass of 9-16
@@ -191,8 +191,7 @@ class StepTimeModel:
     yet. Drafts add tokens, not sequences, so their cost is T_tokens' slope plus X(b), what a
     draft costs beyond it in a pass of b sequences (its attention over its own sequence's
     context, the verification rounds' attention apart from the decodes'): 0 until learned.
-    `rows(n)` is the
-    row count a pass of n tokens really runs at (the CPU verifier pads its GEMMs,
+    `rows(n)` is the row count a pass of n tokens really runs at (the CPU verifier pads its GEMMs,
     `LlamaModel.gemm_rows`): an integer n is priced at `rows(n)`, so T is flat between
     padded sizes, and a fractional (expected) n between its two integer neighbours.
 
