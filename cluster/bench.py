@@ -241,10 +241,11 @@ def summarise_run(records: Sequence[RequestRecord], duration_s: float) -> dict[s
     }
 
 
-def combine_repeats(runs: Sequence[dict[str, float | int]]) -> dict[str, float | int]:
+def combine_repeats(runs: Sequence[dict[str, float | int]]) -> dict[str, float | int | list[float]]:
     """One row from the per-repeat summaries of `summarise_run`: each figure is the median over
-    repeats (counts the lower median, so they stay counts a repeat produced), `errors` the total."""
-    row: dict[str, float | int] = {}
+    repeats (counts the lower median, so they stay counts a repeat produced), `errors` the total;
+    `output_tokens_per_s_by_repeat` keeps each repeat's throughput, in run order, to show the spread."""
+    row: dict[str, float | int | list[float]] = {}
     for key in runs[0]:
         values = [r[key] for r in runs]
         if key == "errors":
@@ -254,6 +255,7 @@ def combine_repeats(runs: Sequence[dict[str, float | int]]) -> dict[str, float |
         else:
             row[key] = round(statistics.median(values), 4)
     row["repeats"] = len(runs)
+    row["output_tokens_per_s_by_repeat"] = [round(r["output_tokens_per_s"], 4) for r in runs]
     return row
 
 

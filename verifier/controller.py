@@ -37,10 +37,14 @@ whether it comes spreads its cost over the step of T: on a CPU verifier a pass o
 tokens costs the same (rows padded to 16, `LlamaModel.gemm_rows`), so a draft that comes
 one round in ten is worth verifying in full, yet T(1 + 0.1 k) makes it look expensive. So a method whose round trip
 is at most `shadow_latency_share` of T(1) (n-gram lookup) is asked for the whole cap
-whenever drafting pays for the sequence on its own given a draft; once the drafts are in,
-`trim` shares the pass out again by the same maximisation with p = 1 for the sequences that
-got drafts (and their true counts), and cuts the rest. Costly methods are sized in `plan`,
-where asking for fewer drafts saves proposer time, and trimmed the same way.
+whenever its drafts would pay given that they come: the same walk over every cheap
+sequence's alphas with p = 1, asking each sequence that appears in the longest prefix
+that beats no drafts. Whether they pay is judged over the batch, not sequence by sequence:
+a full batch of 32 decodes fills two 16-row steps, so one draft pads a third, which no
+sequence's drafts pay for alone and a batch's do. Once the drafts are in, `trim` shares
+the pass out again by the same maximisation with p = 1 for the sequences that got drafts
+(and their true counts), and cuts the rest. Costly methods are sized in `plan`, where
+asking for fewer drafts saves proposer time, and trimmed the same way.
 
 Policies (`ControllerSettings.policy`):
 - `off`: never speculate (a request's `mode: on` still does);
@@ -56,7 +60,9 @@ then emits and reports the match as an ordinary round (for greedy decoding a dra
 is accepted exactly when it equals the target's next token). So an off sequence keeps
 measuring its acceptance without spending verifier time, and comes back as soon as the
 measure recovers instead of waiting for a probe; greedy sequences measure the methods they
-do not use the same way, once per `probe_interval` rounds. Sampled sequences use probes.
+do not use the same way, once per `probe_interval` rounds. Drafts that `trim` cut whole
+become the sequence's shadow draft likewise (when none is pending). Sampled sequences use
+probes.
 
 A request's own `speculation` always wins: `mode: off` (or `max_k: 0`) gives k = 0,
 `mode: on` a fixed k = its `max_k` (else `k`), `method` pins the method, and `max_k`
@@ -525,21 +531,24 @@ class Controller:
         return out
 
     @staticmethod
-    def _best_prefix(candidates: list[tuple[float, float, int, str]], goodput) -> collections.Counter[int]:
+    def _best_prefix(candidates: list[tuple[float, float, int, str]], goodput,
+                     longest: bool = False) -> collections.Counter[int]:
         """Draft tokens per sequence maximising `goodput(gained, tokens, methods)`:
         `candidates` are (marginal alpha, p, sequence, method), each sequence's alphas
         non-increasing; tokens go in decreasing alpha and the best prefix is kept (exact
-        for any T of the token count). Empty when no draft beats none."""
+        for any T of the token count). `longest`: the longest prefix that beats no draft
+        instead. Empty when no draft beats none."""
         candidates = sorted(candidates, key=lambda c: -c[0])
         best_d, best_g = 0, goodput(0.0, 0.0, set())
+        base_g = best_g
         gained, tokens, methods = 0.0, 0.0, set()
         for d, (a, p, _, m) in enumerate(candidates, start=1):
             gained += p * a
             tokens += p
             methods.add(m)
             g = goodput(gained, tokens, methods)
-            if g > best_g:
-                best_d, best_g = d, g
+            if g > best_g or (longest and g > base_g):
+                best_d, best_g = d, max(g, best_g)
         return collections.Counter(i for _, _, i, _ in candidates[:best_d])
 
     def _cap(self, v: SequenceView) -> int:
@@ -633,25 +642,15 @@ class Controller:
         def latency(methods: set[str]) -> float:
             return max((self.latency_s(m) for m in methods), default=0.0)
 
-        # A cheap method is asked for the whole cap whenever drafting pays for the sequence
-        # on its own, assuming its proposer has a draft: asking costs next to nothing, and
-        # `trim` shares the pass out once the drafts (or their absence) are known.
-        generous: dict[int, int] = {}
-        solo_reason: dict[int, str] = {}
-        base_den = t(fixed_tokens) + latency(fixed_methods)
-        for i, method, est, scale, cap in cheap:
-            lat = max(latency(fixed_methods), self.latency_s(method))
-            gained, pays = 0.0, False
-            for k, a in enumerate(est.alphas(cap), start=1):
-                gained += a * scale
-                if (fixed_expected + gained) / (t(fixed_tokens + k) + lat) > fixed_expected / base_den:
-                    pays = True
-                    break
-            if pays:
-                generous[i] = cap
-            else:
-                solo_reason[i] = self._why_nobody(t, cap, self.latency_s(method), fixed_expected, fixed_tokens,
-                                                  latency(fixed_methods))
+        # A cheap method is asked for the whole cap whenever its drafts would pay, assuming
+        # its proposer has one: asking costs next to nothing, and `trim` shares the pass out
+        # once the drafts (or their absence) are known. Whether they pay is judged over every
+        # cheap sequence together: on a step-shaped T a full batch pads a single draft to a
+        # whole step of rows, which no sequence's drafts pay for alone but a batch's do.
+        asked = self._best_prefix([(a * scale, 1.0, i, method) for i, method, est, scale, cap in cheap
+                                   for a in est.alphas(cap)], lambda gained, tokens, methods: (
+            (fixed_expected + gained) / (t(fixed_tokens + tokens) + latency(fixed_methods | methods))), longest=True)
+        generous = {i: cap for i, _, _, _, cap in cheap if asked[i]}
         for i, method, est, _, cap in cheap:
             if i in generous:
                 fixed_tokens += est.p * cap
@@ -660,8 +659,11 @@ class Controller:
 
         ks = self._best_prefix(candidates, lambda gained, tokens, methods: (
             (fixed_expected + gained) / (t(fixed_tokens + tokens) + latency(fixed_methods | methods))))
-        best_d = sum(ks.values())
-        reasons: dict[tuple[int, str], str] = {}
+        best_d = sum(ks.values()) + len(generous)
+        reasons: dict[str, str] = {}
+        # Whether drafts would pay if all were accepted is asked of the batch's drafts
+        # together, as whether they pay is (one draft alone may pad a whole step).
+        total_cap = sum(min(self._cap(seqs[i]), s.max_k) for i in auto if decisions[i] is None)
         for i in auto:
             if decisions[i] is not None:
                 continue  # a probe
@@ -675,15 +677,12 @@ class Controller:
                 self._mark(v.seq_id, chosen[i], on=True)
                 continue
             self._mark(v.seq_id, None, on=False)
-            key = (cap, chosen[i])
-            if i in solo_reason:
-                reason = solo_reason[i]
-            else:
-                if best_d == 0 and key not in reasons:
-                    reasons[key] = self._why_nobody(t, key[0], self.latency_s(key[1]), fixed_expected, fixed_tokens,
-                                                    latency(fixed_methods))
-                # With drafts elsewhere in the batch, others' drafts were simply worth more.
-                reason = "low_acceptance" if best_d > 0 else reasons[key]
+            key = chosen[i]
+            if best_d == 0 and key not in reasons:
+                reasons[key] = self._why_nobody(t, total_cap, self.latency_s(key), fixed_expected, fixed_tokens,
+                                                latency(fixed_methods))
+            # With drafts elsewhere in the batch, others' drafts were simply worth more.
+            reason = "low_acceptance" if best_d > 0 else reasons[key]
             state.off_reason = reason
             if reason in SHADOW_REASONS and self._can_shadow(v, other or chosen[i]):
                 decisions[i] = Decision(None, 0, reason, other or chosen[i], cap)
@@ -692,9 +691,10 @@ class Controller:
 
     @staticmethod
     def _why_nobody(t, cap: int, method_latency: float, expected: float, tokens: float, latency: float) -> str:
-        """Why no sequence drafts: would k drafts pay if all were accepted? If not even
-        with a free proposer, verifying them costs more than they give (compute bound);
-        if only with a free proposer, the proposer is too slow; else acceptance is low."""
+        """Why no sequence drafts: would k drafts pay if all were accepted (k up to `cap`,
+        the batch's caps together)? If not even with a free proposer, verifying them costs
+        more than they give (compute bound); if only with a free proposer, the proposer is
+        too slow; else acceptance is low."""
         base = expected / (t(tokens) + latency)
 
         def pays(lat: float) -> bool:

@@ -538,12 +538,20 @@ class Engine:
         for work, k in zip(works, ks):
             n = work.draft_token_ids.size
             if k < n:
+                if k == 0:
+                    work.reason = "low_acceptance"
+                    self._keep_as_shadow(work.seq, work.method, work.draft_token_ids)
                 work.draft_token_ids = work.draft_token_ids[:k]
                 if work.draft_probs is not None:
                     work.draft_probs = work.draft_probs[:k] if k else None
-                if k == 0:
-                    work.reason = "low_acceptance"
             work.input_token_ids.extend(work.draft_token_ids.tolist())
+
+    def _keep_as_shadow(self, seq: Sequence, method: str, drafts: np.ndarray) -> None:
+        """Drafts received but cut whole still measure acceptance: for a greedy sequence
+        without a pending shadow they become its shadow draft (scored as the output comes)."""
+        if seq.params.greedy and seq.shadow_method is None and self.controller.settings.shadow:
+            seq.shadow_method, seq.shadow_token_ids, seq.shadow_matched = method, drafts.tolist(), 0
+            self.stats.num_shadow_drafts += 1
 
     def _request(self, seq: Sequence, method: str, k: int, trace_context=None) -> ProposalRequest:
         """A round's proposal request for `seq` from `method`, under the delta contract."""

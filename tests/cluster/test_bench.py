@@ -184,7 +184,7 @@ def test_combine_repeats_takes_medians_and_sums_errors():
             for e, t, v, d in ((0, 100, 10.0, 40), (1, 90, 30.0, 36), (2, 95, 20.0, 38))]
     row = combine_repeats(runs)
     assert row == {"requests": 4, "errors": 3, "output_tokens": 95, "output_tokens_per_s": 20.0, "drafted": 38,
-                   "repeats": 3}
+                   "repeats": 3, "output_tokens_per_s_by_repeat": [10.0, 30.0, 20.0]}
     # Two repeats: floats take the mean of the middle two, counts the lower one (still a count).
     row = combine_repeats(runs[:2])
     assert (row["output_tokens_per_s"], row["output_tokens"], row["drafted"]) == (20.0, 90, 36)

@@ -270,6 +270,36 @@ def test_cheap_method_is_asked_for_the_cap_when_a_draft_would_pay():
     assert _one(seeded(0.0), SequenceView("s")) == Decision(None, 0, "low_acceptance")
 
 
+def test_a_full_batch_asks_a_cheap_method_when_its_drafts_pay_together():
+    # Rows padded to 16: T = 40 + 80 j ms for 16 (j - 1) < n <= 16 j tokens. A full batch of
+    # 32 decodes fills two steps (200 ms), so any draft pads a third (280 ms). 32 sequences
+    # with c(j) = 0.9 and goodput 32 / 200 = 0.16 token/ms without drafts:
+    # - one sequence alone: all 8 of its drafts give S_8 = 9 (1 - 0.9^8) = 5.13 tokens for
+    #   280 + 1 ms: 37.13 / 281 = 0.132 < 0.16 (nor does any shorter prefix pay);
+    # - together, in decreasing alpha (32 x 0.9, then 32 x 0.81, then 32 x 0.729): 16 drafts
+    #   46.4 / 281 = 0.165, 32: 60.8 / 361 = 0.168, 96: 110.05 / 681 = 0.1616 all pay; the 97th
+    #   pads a ninth step: 110.71 / 761 = 0.145. All 32 appear by then: each is asked for 8.
+    def rows(n: int) -> int:
+        return -(-n // 16) * 16
+
+    t = StepTimeModel([(16 * j, 0.040 + 0.080 * j) for j in range(1, 19)], rows=rows)
+    c = _controller(step_time=t, shadow_latency_share=0.25)
+    views = [SequenceView(f"s{i}", greedy=True) for i in range(32)]
+    for v in views:
+        c._state(v.seq_id).by_method["ngram"] = AcceptanceEstimate([0.9] * 8)
+    assert c.plan(views) == [Decision("ngram", 8, "goodput")] * 32
+    # Once all have drafts, trim keeps the best: 16 of them 46.4 / 280 = 0.1657, 32: 60.8 / 360
+    # = 0.1689, 48: 73.76 / 440 = 0.1676 (the proposer's time no longer counts): one each.
+    assert c.trim([(v.seq_id, "ngram", 8, "goodput") for v in views]) == [1] * 32
+    # With c(j) = 0.3 no prefix pays: 16 drafts 36.8 / 281 = 0.131. Drafts that were all
+    # accepted would (48 / 281 = 0.171), so the reason is the acceptance, not the batch; the
+    # sequences shadow-draft. (Judged one sequence at a time, 8 accepted drafts give
+    # 40 / 281 = 0.142 and the batch looked compute bound.)
+    for v in views:
+        c._state(v.seq_id).by_method["ngram"] = AcceptanceEstimate([0.3] * 8)
+    assert c.plan(views) == [Decision(None, 0, "low_acceptance", "ngram", 8)] * 32
+
+
 def test_trim_keeps_the_drafts_that_pay_once_they_are_known():
     # T(n) = 20 + 0.5 n ms, one pass of four sequences:
     #   a: 8 drafts, c = [0.9, 0.1, ...]: alpha = 0.9, 0.09, 0.009, ...

@@ -295,6 +295,45 @@ def test_shadow_drafts_are_scored_against_the_output(model, tokenizer, code_prom
     assert engine.stats.num_shadow_tokens == sum(n for n, _ in want)
 
 
+class _CutEverythingController(_ShadowOnlyController):
+    """Asks n-gram for 4 drafts to verify every round, then cuts them all in `trim`."""
+
+    def plan(self, seqs, available=None, num_prefill_tokens=0, num_prefill_seqs=0):
+        return [Decision("ngram", 4, "goodput") for _ in seqs]
+
+    def trim(self, rounds, num_prefill_tokens=0, num_prefill_seqs=0):
+        return [0] * len(rounds)
+
+
+def test_drafts_cut_whole_are_scored_as_shadows(model, tokenizer, code_prompt, plain):
+    """Drafts asked for but cut to none in `trim` measure acceptance like shadow drafts:
+    while no shadow is pending, the round's drafts become one, and it is reported as the
+    matching prefix of the tokens that followed its context. Each round emits one token,
+    so a shadow that saw `seen` tokens is resolved `seen` rounds after it was asked."""
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    expected = _first(plain, code_prompt, params).token_ids
+    proposer, controller = _RecordingNgram(), _CutEverythingController()
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), proposer, controller)
+    r = _first(engine, code_prompt, params)
+    assert r.token_ids == expected and r.stats.drafted == 0
+    want, free_at = [], 0  # free_at: the context length from which a new shadow may start
+    for context_len, drafts in proposer.asks:
+        if not drafts:
+            want.append((0, 0))  # "no draft": the share of asks with drafts learns from it
+            continue
+        if context_len < free_at:
+            continue  # a shadow is pending: these drafts are dropped
+        following = expected[context_len - len(code_prompt):][: len(drafts)]
+        matched = next((i for i, (a, b) in enumerate(zip(drafts, following)) if a != b), len(following))
+        seen = min(matched + 1, len(following))
+        if seen:
+            want.append((seen, matched))
+        free_at = context_len + max(seen, 1)
+    assert sorted(controller.observed) == sorted(want)
+    assert sum(m for _, m in want) > 0 and len(want) < len(proposer.asks)  # matches, and drafts dropped
+    assert engine.stats.num_shadow_tokens == sum(n for n, _ in want)
+
+
 def test_request_max_k_caps_speculation(model, tokenizer, code_prompt):
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), NgramProposer(),
                     Controller.static(8))
