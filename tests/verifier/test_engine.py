@@ -270,24 +270,37 @@ class _RecordingNgram(NgramProposer):
         return proposals
 
 
+def _shadow_run(model, tokenizer, prompt, plain, controller):
+    """Plain decoding's 40 tokens, and the n-gram proposer (recording every ask) and engine
+    of a run of `controller` that verified no draft and so emitted the same tokens."""
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    expected = _first(plain, prompt, params).token_ids
+    proposer = _RecordingNgram()
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), proposer, controller)
+    r = _first(engine, prompt, params)
+    assert r.token_ids == expected and r.stats.drafted == 0
+    return expected, proposer, engine
+
+
+def _scored(drafts: list[int], following: list[int]) -> tuple[int, int]:
+    """(tokens seen, tokens matched) of a shadow draft against the tokens that followed its
+    context: seen up to the first mismatch included, or as many as there were."""
+    matched = next((i for i, (a, b) in enumerate(zip(drafts, following)) if a != b), len(following))
+    return min(matched + 1, len(following)), matched
+
+
 def test_shadow_drafts_are_scored_against_the_output(model, tokenizer, code_prompt, plain):
     """Shadow drafts are never verified, so the output is plain decoding's; each one is
     reported as the matching prefix of the tokens that followed its context, worked out
     here from the final output."""
-    params = SamplingParams(max_tokens=40, temperature=0.0)
-    expected = _first(plain, code_prompt, params).token_ids
-    proposer, controller = _RecordingNgram(), _ShadowOnlyController()
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), proposer, controller)
-    r = _first(engine, code_prompt, params)
-    assert r.token_ids == expected and r.stats.drafted == 0
+    controller = _ShadowOnlyController()
+    expected, proposer, engine = _shadow_run(model, tokenizer, code_prompt, plain, controller)
     want = []
     for context_len, drafts in proposer.asks:
         if not drafts:
             want.append((0, 0))
             continue
-        following = expected[context_len - len(code_prompt):][: len(drafts)]
-        matched = next((i for i, (a, b) in enumerate(zip(drafts, following)) if a != b), len(following))
-        seen = min(matched + 1, len(following))
+        seen, matched = _scored(drafts, expected[context_len - len(code_prompt):][: len(drafts)])
         if seen:
             want.append((seen, matched))
     assert controller.observed == want
@@ -310,12 +323,8 @@ def test_drafts_cut_whole_are_scored_as_shadows(model, tokenizer, code_prompt, p
     while no shadow is pending, the round's drafts become one, and it is reported as the
     matching prefix of the tokens that followed its context. Each round emits one token,
     so a shadow that saw `seen` tokens is resolved `seen` rounds after it was asked."""
-    params = SamplingParams(max_tokens=40, temperature=0.0)
-    expected = _first(plain, code_prompt, params).token_ids
-    proposer, controller = _RecordingNgram(), _CutEverythingController()
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), proposer, controller)
-    r = _first(engine, code_prompt, params)
-    assert r.token_ids == expected and r.stats.drafted == 0
+    controller = _CutEverythingController()
+    expected, proposer, engine = _shadow_run(model, tokenizer, code_prompt, plain, controller)
     want, free_at = [], 0  # free_at: the context length from which a new shadow may start
     for context_len, drafts in proposer.asks:
         if not drafts:
@@ -323,9 +332,7 @@ def test_drafts_cut_whole_are_scored_as_shadows(model, tokenizer, code_prompt, p
             continue
         if context_len < free_at:
             continue  # a shadow is pending: these drafts are dropped
-        following = expected[context_len - len(code_prompt):][: len(drafts)]
-        matched = next((i for i, (a, b) in enumerate(zip(drafts, following)) if a != b), len(following))
-        seen = min(matched + 1, len(following))
+        seen, matched = _scored(drafts, expected[context_len - len(code_prompt):][: len(drafts)])
         if seen:
             want.append((seen, matched))
         free_at = context_len + max(seen, 1)
