@@ -617,6 +617,7 @@ class Controller:
         candidates: list[tuple[float, float, int, str]] = []
         cheap: list[tuple[int, str, AcceptanceEstimate, float, int]] = []
         chosen: dict[int, str] = {}
+        caps: dict[int, int] = {}  # of the sequences the maximisation decides (not probed)
         for i in auto:
             v = seqs[i]
             state = self._state(v.seq_id)
@@ -631,7 +632,7 @@ class Controller:
                 fixed_expected += est.p * sum(est.alphas(probe.k))
                 fixed_methods.add(probe.method)
                 continue
-            cap = min(self._cap(v), s.max_k)
+            cap = caps[i] = min(self._cap(v), s.max_k)
             est = self._estimate(state, method)
             scale = 1.0 if state.on else 1.0 - s.hysteresis
             if self._cheap(method):
@@ -642,14 +643,17 @@ class Controller:
         def latency(methods: set[str]) -> float:
             return max((self.latency_s(m) for m in methods), default=0.0)
 
+        def goodput(gained: float, tokens: float, methods: set[str]) -> float:
+            # Over what is fixed when it is called (the cheap asks are fixed before the rest).
+            return (fixed_expected + gained) / (t(fixed_tokens + tokens) + latency(fixed_methods | methods))
+
         # A cheap method is asked for the whole cap whenever its drafts would pay, assuming
         # its proposer has one: asking costs next to nothing, and `trim` shares the pass out
         # once the drafts (or their absence) are known. Whether they pay is judged over every
         # cheap sequence together: on a step-shaped T a full batch pads a single draft to a
         # whole step of rows, which no sequence's drafts pay for alone but a batch's do.
         asked = self._best_prefix([(a * scale, 1.0, i, method) for i, method, est, scale, cap in cheap
-                                   for a in est.alphas(cap)], lambda gained, tokens, methods: (
-            (fixed_expected + gained) / (t(fixed_tokens + tokens) + latency(fixed_methods | methods))), longest=True)
+                                   for a in est.alphas(cap)], goodput, longest=True)
         generous = {i: cap for i, _, _, _, cap in cheap if asked[i]}
         for i, method, est, _, cap in cheap:
             if i in generous:
@@ -657,19 +661,18 @@ class Controller:
                 fixed_expected += est.p * sum(est.alphas(cap))
                 fixed_methods.add(method)
 
-        ks = self._best_prefix(candidates, lambda gained, tokens, methods: (
-            (fixed_expected + gained) / (t(fixed_tokens + tokens) + latency(fixed_methods | methods))))
+        ks = self._best_prefix(candidates, goodput)
         best_d = sum(ks.values()) + len(generous)
         reasons: dict[str, str] = {}
         # Whether drafts would pay if all were accepted is asked of the batch's drafts
         # together, as whether they pay is (one draft alone may pad a whole step).
-        total_cap = sum(min(self._cap(seqs[i]), s.max_k) for i in auto if decisions[i] is None)
+        total_cap = sum(caps.values())
         for i in auto:
             if decisions[i] is not None:
                 continue  # a probe
             v = seqs[i]
             state = self._state(v.seq_id)
-            cap = min(self._cap(v), s.max_k)
+            cap = caps[i]
             other = self._shadow_other(v, state, live, chosen[i])
             k = generous.get(i, ks[i])
             if k:
