@@ -132,6 +132,8 @@ class ControllerConfig(_Strict):
                               "discounted when deciding to turn it back on.")
     acceptance_ewma: float = Field(0.3, gt=0, le=1, description="Weight of the newest round in each sequence's "
                                    "per-position acceptance average.")
+    costly_acceptance_ewma: float = Field(0.1, gt=0, le=1, description="The same for a method that is not cheap "
+                                          "(a model proposer), which has no shadow drafts to come back by.")
     shadow: bool = Field(True, description="'goodput': a greedy sequence that is off keeps asking a cheap "
                          "proposer for drafts that are not verified but scored against the tokens it emits next, "
                          "so it comes back as soon as its acceptance does; unused methods are measured the same way.")
@@ -151,7 +153,8 @@ class ControllerConfig(_Strict):
         return ControllerSettings(
             policy=self.policy, k=self.k, max_k=self.max_k, batch_table=tuple(sorted(self.batch_table.items())),
             probe_interval=self.probe_interval, probe_k=self.probe_k, hysteresis=self.hysteresis,
-            acceptance_ewma=self.acceptance_ewma, shadow=self.shadow, shadow_latency_share=self.shadow_latency_share,
+            acceptance_ewma=self.acceptance_ewma, costly_acceptance_ewma=self.costly_acceptance_ewma,
+            shadow=self.shadow, shadow_latency_share=self.shadow_latency_share,
         )
 
 

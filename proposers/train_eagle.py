@@ -62,6 +62,10 @@ class TrainEagleConfig(TrainDraftConfig):
     #: features only); step j's loss is weighted unroll_decay ** (j - 1).
     unroll: int = 3
     unroll_decay: float = 0.8
+    #: An EAGLE head directory (e.g. the committed one) whose `fc` and layer the training
+    #: starts from, instead of the target's layer `init_layers[0]`: more training of a head
+    #: whose checkpoint is gone, with a fresh optimiser and learning-rate schedule.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -261,6 +265,9 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
     keep = [i for i, (x, _) in enumerate(corpus.train) if len(x) >= 2]
     seqs, feats = [corpus.train[i] for i in keep], [train_f[i] for i in keep]
     net = EagleNet(target, cfg.init_layers[0], vocab_ids)
+    if cfg.init_from:
+        start_from(net, cfg.init_from, target, tokenizer)
+        log(f"starting from the head in {cfg.init_from}")
 
     def batches_from(step: int):
         rng = np.random.default_rng(cfg.seed + 1 + step)
@@ -300,6 +307,29 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
     write_outputs(out, target, tokenizer, 1, {"kind": "eagle", "base_model": base, "vocab_subset": int(vocab_ids.size)},
                   info, log)
     return info
+
+
+def start_from(net: EagleNet, path: str | pathlib.Path, target: LlamaModel, tokenizer: Tokenizer) -> None:
+    """Set `net`'s trained weights (`fc`, the decoder layer) to the head in `path`, loaded
+    and checked as the proposer loads it (`proposers.eagle.load_eagle`: sha256, vocabulary,
+    sizes). The LM-head rows are not taken: they are the target's, for this corpus's subset."""
+    from proposers.eagle import load_eagle
+    from verifier.models.vocab import VocabFingerprint
+
+    head = load_eagle(path, target, VocabFingerprint.of(tokenizer))
+    if len(head.model.layers) != 1:
+        raise ValueError(f"{path}: an EAGLE head with {len(head.model.layers)} layers; training has one")
+    w = head.model.layers[0]
+    layer = net.layer
+    with torch.no_grad():
+        net.fc_weight.copy_(head.fc_weight)
+        net.fc_bias.copy_(head.fc_bias if head.fc_bias is not None else torch.zeros_like(net.fc_bias))
+        for name in ("wqkv", "wo", "post_norm", "w_gate_up", "w_down"):
+            getattr(layer, name).copy_(getattr(w, name))
+        if (layer.bqkv is None) != (w.bqkv is None):
+            raise ValueError(f"{path}: the head's q/k/v biases do not match the target layer's")
+        if layer.bqkv is not None:
+            layer.bqkv.copy_(w.bqkv)
 
 
 def save_eagle(net: EagleNet, vocab_ids: np.ndarray, out: pathlib.Path) -> None:

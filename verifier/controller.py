@@ -9,8 +9,9 @@ of verifier time:
 
     G(k_1..k_B) = sum_i E[tokens_i(k_i)] / (T(sum_i (k_i + 1)) + L)
 
-where T is the step-time curve, L the slowest proposer used this round (the methods are
-asked in parallel, before the pass) and
+where T is the step-time curve, L the slowest proposer call of the round (the methods are
+asked in parallel, before the pass; a call's time grows with the largest k asked of it,
+`ProposerLatency`) and
 
     E[tokens_i(k)] = 1 + p_i (alpha_i(1) + ... + alpha_i(k)),   alpha_i(j) = c_i(1) * ... * c_i(j)
 
@@ -117,6 +118,13 @@ class ControllerSettings:
     #: Weight of the newest observation in the per-sequence acceptance EWMA. At 0.3 a
     #: sequence whose drafts all fail drops from c = 0.6 to 0.07 in 6 rounds.
     acceptance_ewma: float = 0.3
+    #: The same for a costly method (not cheap, see `shadow_latency_share`: a model
+    #: proposer). It has no shadow drafts, so a sequence it turned off is re-measured only
+    #: by a probe every `probe_interval` rounds, and a noisy estimate that dips below
+    #: break-even costs many rounds. Measured (EAGLE head, chat, batch 1, 8 requests): at
+    #: 0.3, 191 of 355 decisions were off for low acceptance, at 0.1, 15 (about 0.45
+    #: acceptance per draft on average, break-even about 0.2).
+    costly_acceptance_ewma: float = 0.1
     #: Conditional acceptance assumed before a method has any observation (optimistic, so
     #: new sequences try speculation and measure it).
     prior_acceptance: float = 0.6
@@ -142,7 +150,7 @@ class ControllerSettings:
             raise ValueError(f"k, max_k and probe_k must be >= 0, got {self.k}, {self.max_k}, {self.probe_k}")
         if self.probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
-        for name in ("acceptance_ewma", "timing_ewma"):
+        for name in ("acceptance_ewma", "costly_acceptance_ewma", "timing_ewma"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.shadow_latency_share < 0:
@@ -328,6 +336,60 @@ class StepTimeModel:
         return list(zip(self.n, self.t))
 
 
+class ProposerLatency:
+    """One method's round trip as a function of the largest k asked in the call,
+    L(k) = a + b k: a model proposer runs one pass per draft position (an EAGLE head here:
+    ~2.5 ms per draft beside the verifier's ~52 ms decode step, so L(8) is about three
+    times L(2)); an n-gram lookup costs about the same for any k.
+
+    Fitted from the recent calls (decayed moments of k and the seconds, weight `ewma`):
+    once their k have varied (variance >= `FIT_MIN_VAR`), b is the least-squares slope
+    (never negative) and kept while k stops varying; before, the time is taken as
+    proportional to k (a = 0), which prices fewer drafts lower than a flat figure would.
+    Calls of unknown k update only the plain average, which is L when no call had a k.
+
+    >>> lat = ProposerLatency(ewma=0.5)
+    >>> lat.observe(0.020, k=8); round(lat(2), 4)  # one call: proportional
+    0.005
+    >>> lat.observe(0.008, k=2); round(lat(2), 4), round(lat(8), 4)  # the line through both
+    (0.008, 0.02)
+    """
+
+    FIT_MIN_VAR = 0.25  # k squared
+
+    def __init__(self, ewma: float) -> None:
+        self.ewma = ewma
+        #: The plain EWMA of the call's seconds, whatever k (what `Controller.latency_s` reports).
+        self.mean_s: float | None = None
+        self._moments: list[float] | None = None  # EWMAs of k, k^2, seconds, k * seconds
+        #: b once the calls' k have varied; None before (L proportional to k).
+        self.slope: float | None = None
+
+    def observe(self, seconds: float, k: int | None = None) -> None:
+        w = self.ewma
+        self.mean_s = seconds if self.mean_s is None else self.mean_s + w * (seconds - self.mean_s)
+        if k is None or k < 1:
+            return
+        x = (float(k), float(k * k), seconds, k * seconds)
+        m = self._moments = list(x) if self._moments is None else [
+            old + w * (new - old) for old, new in zip(self._moments, x)]
+        mean_k, mean_kk, mean_s, mean_ks = m
+        var = mean_kk - mean_k**2
+        if var >= self.FIT_MIN_VAR:
+            self.slope = max((mean_ks - mean_k * mean_s) / var, 0.0)
+
+    def __call__(self, k: int | None = None) -> float:
+        """L(k); k None: the plain average."""
+        if self.mean_s is None:
+            return 0.0
+        if k is None or self._moments is None:
+            return self.mean_s
+        mean_k, _, mean_s, _ = self._moments
+        if self.slope is None:
+            return mean_s * k / mean_k
+        return max(mean_s + self.slope * (k - mean_k), 0.0)
+
+
 class AcceptanceEstimate:
     """EWMAs of the conditional acceptance c(j) at each draft position j = 1..max_k, and of
     the share p of asks that returned any draft."""
@@ -386,7 +448,7 @@ class Controller:
         # Method-wide estimates: the prior of every new sequence.
         self._global: dict[str, AcceptanceEstimate] = {}
         self.set_methods(methods)
-        self._latency_s: dict[str, float] = {}
+        self._latency: dict[str, ProposerLatency] = {}
         self._seqs: dict[str, _SeqState] = {}
         #: Decisions since start, by reason (the source of the controller metrics).
         self.decisions: collections.Counter[str] = collections.Counter()
@@ -418,7 +480,8 @@ class Controller:
             return
         k = num_drafted
         assert 0 <= num_accepted <= k, f"{num_accepted=} {k=}"
-        w = self.settings.acceptance_ewma
+        s = self.settings
+        w = s.acceptance_ewma if self._cheap(method) else s.costly_acceptance_ewma
         self._estimate(self._state(seq_id), method).observe(k, num_accepted, w)
         # The method-wide prior moves slower: it summarises many sequences.
         self._global[method].observe(k, num_accepted, w / 4)
@@ -429,13 +492,27 @@ class Controller:
         if self.step_time is not None and num_tokens > 0:
             self.step_time.observe(num_tokens, num_seqs, seconds, num_drafts)
 
-    def observe_proposer(self, method: str, seconds: float) -> None:
-        """A proposer round trip (a failure counts as the time it took to fail)."""
-        old = self._latency_s.get(method)
-        self._latency_s[method] = seconds if old is None else old + self.settings.timing_ewma * (seconds - old)
+    def observe_proposer(self, method: str, seconds: float, k: int | None = None) -> None:
+        """A proposer round trip (a failure counts as the time it took to fail); `k`: the
+        largest k asked in the call (`ProposerLatency`)."""
+        lat = self._latency.get(method)
+        if lat is None:
+            lat = self._latency[method] = ProposerLatency(self.settings.timing_ewma)
+        lat.observe(seconds, k)
 
-    def latency_s(self, method: str) -> float:
-        return self._latency_s.get(method, 0.0)
+    def latency_s(self, method: str, k: int | None = None) -> float:
+        """The method's round trip for a call whose largest k is `k` (None: the average call)."""
+        lat = self._latency.get(method)
+        return 0.0 if lat is None else lat(k)
+
+    def proposer_slope_s(self, method: str) -> float | None:
+        """What each further draft adds to the method's call, once its k have varied (else None)."""
+        lat = self._latency.get(method)
+        return None if lat is None else lat.slope
+
+    def _calls_s(self, methods: Mapping[str, int]) -> float:
+        """The slowest of the calls {method: largest k} (they run in parallel)."""
+        return max((self.latency_s(m, k) for m, k in methods.items()), default=0.0)
 
     def forget(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
@@ -536,16 +613,20 @@ class Controller:
         """Draft tokens per sequence maximising `goodput(gained, tokens, methods)`:
         `candidates` are (marginal alpha, p, sequence, method), each sequence's alphas
         non-increasing; tokens go in decreasing alpha and the best prefix is kept (exact
-        for any T of the token count). `longest`: the longest prefix that beats no draft
+        for any T of the token count). `methods` maps each method of the prefix to the
+        largest k it asks of a sequence. `longest`: the longest prefix that beats no draft
         instead. Empty when no draft beats none."""
         candidates = sorted(candidates, key=lambda c: -c[0])
-        best_d, best_g = 0, goodput(0.0, 0.0, set())
+        best_d, best_g = 0, goodput(0.0, 0.0, {})
         base_g = best_g
-        gained, tokens, methods = 0.0, 0.0, set()
-        for d, (a, p, _, m) in enumerate(candidates, start=1):
+        gained, tokens = 0.0, 0.0
+        methods: dict[str, int] = {}
+        per_seq: collections.Counter[int] = collections.Counter()
+        for d, (a, p, i, m) in enumerate(candidates, start=1):
             gained += p * a
             tokens += p
-            methods.add(m)
+            per_seq[i] += 1
+            methods[m] = max(methods.get(m, 0), per_seq[i])
             g = goodput(gained, tokens, methods)
             if g > best_g or (longest and g > base_g):
                 best_d, best_g = d, max(g, best_g)
@@ -566,7 +647,7 @@ class Controller:
 
     def _choose_method(self, v: SequenceView, live: list[str]) -> str:
         """The pinned method, else the live one with the best solo goodput for this
-        sequence: max over k of E[tokens(k)] / (T(k + 1) + L)."""
+        sequence: max over k of E[tokens(k)] / (T(k + 1) + L(k))."""
         if v.method is not None:
             return v.method
         if len(live) == 1:
@@ -577,7 +658,7 @@ class Controller:
 
         def score(m: str) -> float:
             est = self._estimate(state, m)
-            return max(est.expected_tokens(k) / (t(1 + est.p * k) + self.latency_s(m)) for k in range(1, cap + 1))
+            return max(est.expected_tokens(k) / (t(1 + est.p * k) + self.latency_s(m, k)) for k in range(1, cap + 1))
 
         return max(live, key=lambda m: (score(m), -live.index(m)))
 
@@ -608,11 +689,11 @@ class Controller:
         # Tokens and expected emissions that are already fixed (other decisions, probes).
         fixed_tokens = float(len(seqs))
         fixed_expected = float(len(seqs))
-        fixed_methods: set[str] = set()
+        fixed_methods: dict[str, int] = {}  # method -> the largest k asked of it
         for d in decisions:
             if d is not None and d.k > 0:
                 fixed_tokens += d.k
-                fixed_methods.add(d.method)
+                _ask(fixed_methods, d.method, d.k)
         # Candidates: (marginal alpha, p, auto index, method); alpha per sequence non-increasing.
         candidates: list[tuple[float, float, int, str]] = []
         cheap: list[tuple[int, str, AcceptanceEstimate, float, int]] = []
@@ -630,7 +711,7 @@ class Controller:
                 est = self._estimate(state, probe.method)
                 fixed_tokens += est.p * probe.k
                 fixed_expected += est.p * sum(est.alphas(probe.k))
-                fixed_methods.add(probe.method)
+                _ask(fixed_methods, probe.method, probe.k)
                 continue
             cap = caps[i] = min(self._cap(v), s.max_k)
             est = self._estimate(state, method)
@@ -640,12 +721,12 @@ class Controller:
             else:
                 candidates.extend((a * scale, est.p, i, method) for a in est.alphas(cap))
 
-        def latency(methods: set[str]) -> float:
-            return max((self.latency_s(m) for m in methods), default=0.0)
-
-        def goodput(gained: float, tokens: float, methods: set[str]) -> float:
+        def goodput(gained: float, tokens: float, methods: dict[str, int]) -> float:
             # Over what is fixed when it is called (the cheap asks are fixed before the rest).
-            return (fixed_expected + gained) / (t(fixed_tokens + tokens) + latency(fixed_methods | methods))
+            calls = dict(fixed_methods)
+            for m, k in methods.items():
+                _ask(calls, m, k)
+            return (fixed_expected + gained) / (t(fixed_tokens + tokens) + self._calls_s(calls))
 
         # A cheap method is asked for the whole cap whenever its drafts would pay, assuming
         # its proposer has one: asking costs next to nothing, and `trim` shares the pass out
@@ -659,7 +740,7 @@ class Controller:
             if i in generous:
                 fixed_tokens += est.p * cap
                 fixed_expected += est.p * sum(est.alphas(cap))
-                fixed_methods.add(method)
+                _ask(fixed_methods, method, cap)
 
         ks = self._best_prefix(candidates, goodput)
         best_d = sum(ks.values()) + len(generous)
@@ -682,8 +763,9 @@ class Controller:
             self._mark(v.seq_id, None, on=False)
             key = chosen[i]
             if best_d == 0 and key not in reasons:
-                reasons[key] = self._why_nobody(t, total_cap, self.latency_s(key), fixed_expected, fixed_tokens,
-                                                latency(fixed_methods))
+                # k drafts of the batch: at least ceil(k / sequences) from one of them.
+                reasons[key] = self._why_nobody(t, total_cap, lambda k, m=key: self.latency_s(m, -(-k // len(caps))),
+                                                fixed_expected, fixed_tokens, self._calls_s(fixed_methods))
             # With drafts elsewhere in the batch, others' drafts were simply worth more.
             reason = "low_acceptance" if best_d > 0 else reasons[key]
             state.off_reason = reason
@@ -693,28 +775,32 @@ class Controller:
                 decisions[i] = Decision(None, 0, reason)
 
     @staticmethod
-    def _why_nobody(t, cap: int, method_latency: float, expected: float, tokens: float, latency: float) -> str:
+    def _why_nobody(t, cap: int, method_latency: Callable[[int], float], expected: float, tokens: float,
+                    latency: float) -> str:
         """Why no sequence drafts: would k drafts pay if all were accepted (k up to `cap`,
-        the batch's caps together)? If not even with a free proposer, verifying them costs
-        more than they give (compute bound); if only with a free proposer, the proposer is
-        too slow; else acceptance is low."""
+        the batch's caps together; `method_latency(k)` the method's round trip for them)?
+        If not even with a free proposer, verifying them costs more than they give (compute
+        bound); if only with a free proposer, the proposer is too slow; else acceptance is
+        low."""
         base = expected / (t(tokens) + latency)
 
-        def pays(lat: float) -> bool:
+        def pays(lat: Callable[[int], float]) -> bool:
             # A 0.1% margin: a break-even (T linear through 0, all accepted) does not pay.
-            return any((expected + k) / (t(tokens + k) + lat) > base * 1.001 for k in range(1, cap + 1))
+            return any((expected + k) / (t(tokens + k) + lat(k)) > base * 1.001 for k in range(1, cap + 1))
 
-        if not pays(latency):
+        if not pays(lambda k: latency):
             return "batch_compute_bound"
-        if not pays(max(latency, method_latency)):
+        if not pays(lambda k: max(latency, method_latency(k))):
             return "proposer_slow"
         return "low_acceptance"
 
     def _cheap(self, method: str) -> bool:
-        """A method whose round trip is at most `shadow_latency_share` of a lone decode
-        step (e.g. n-gram lookup): asking it for more drafts than get verified is free."""
+        """A method whose round trip for `max_k` drafts is at most `shadow_latency_share` of
+        a lone decode step (e.g. n-gram lookup): asking it for more drafts than get verified
+        is free."""
         s = self.settings
-        return self.step_time is not None and self.latency_s(method) <= s.shadow_latency_share * self.step_time(1)
+        return self.step_time is not None and (
+            self.latency_s(method, max(s.max_k, 1)) <= s.shadow_latency_share * self.step_time(1))
 
     def _can_shadow(self, v: SequenceView, method: str) -> bool:
         """Shadow drafts need greedy decoding (to score them from the output alone) and a
@@ -753,3 +839,8 @@ class Controller:
                 if m != chosen and state.idle.get(m, 0) >= s.probe_interval and not self._can_shadow(v, m):
                     return Decision(m, k, "probe")
         return None
+
+
+def _ask(calls: dict[str, int], method: str, k: int) -> None:
+    """Record that `method` is asked for k drafts of one sequence in this round's call."""
+    calls[method] = max(calls.get(method, 0), k)

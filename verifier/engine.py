@@ -629,7 +629,7 @@ class Engine:
             return None
         finally:
             seconds = time.perf_counter() - start
-            self.controller.observe_proposer(method, seconds)
+            self.controller.observe_proposer(method, seconds, max((r.k for r in requests), default=0))
             self.observer.on_proposer_call(method, seconds, ok)
 
     def _clamp_k(self, seq: Sequence, k: int) -> int:

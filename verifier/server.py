@@ -140,6 +140,9 @@ class VerifierServer:
                 "policy": e.controller.settings.policy,
                 "decisions": dict(e.controller.decisions),
                 "proposer_latency_ms": {m: round(e.controller.latency_s(m) * 1e3, 3) for m in e.proposers},
+                # What each further draft adds to a method's call, once learned (ProposerLatency).
+                "proposer_ms_per_draft": {m: None if (b := e.controller.proposer_slope_s(m)) is None
+                                          else round(b * 1e3, 3) for m in e.proposers},
                 "step_time_ms": None if step_time is None else [(n, round(t * 1e3, 2)) for n, t in step_time.points()],
                 # S(b): what b sequences add to a pass, learned per batch size (StepTimeModel).
                 "batch_step_ms": None if step_time is None else {

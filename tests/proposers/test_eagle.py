@@ -22,7 +22,8 @@ from proposers.draft_model import DraftModelConfig
 from proposers.eagle import EagleProposer, load_eagle
 from proposers.train import BUNDLED_EAGLE_DIR, WEIGHTS_FILE
 from proposers.train import decoder_layer
-from proposers.train_eagle import EagleNet, TrainEagleConfig, chain_rows, held_out_figures, train_eagle
+from proposers.train_eagle import (EagleNet, TrainEagleConfig, chain_rows, held_out_figures, start_from,
+                                     train_eagle)
 from tests.proposers.conftest import TINY
 from verifier.controller import Controller
 from verifier.engine import Engine, EngineConfig
@@ -317,3 +318,22 @@ def test_served_eagle_receives_hidden_states_and_accepts_as_in_process(model, to
     got = [(r.stats.drafted, r.stats.accepted) for r in results]
     assert got == [(r.stats.drafted, r.stats.accepted) for r in in_process]
     assert sum(a for _, a in got) > 0
+
+
+def test_training_can_start_from_a_trained_head(tiny_eagle, tiny_draft, model, tokenizer, tmp_path):
+    """`init_from`: the new head's fc and layer are the saved head's (as the test's own reader
+    loads them), so the continued run's step-0 held-out figures are the saved head's final ones."""
+    out, info = tiny_eagle
+    ref, vocab_ids = _reference_net(model, out)
+    net = EagleNet(model, 29, vocab_ids.astype(np.int32))
+    start_from(net, out, model, tokenizer)
+    got = dict(net.named_parameters())
+    for name, want in ref.named_parameters():
+        if name != "layer.input_norm":  # EAGLE-1's layer has no input norm: neither is read
+            torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
+    assert not torch.equal(ref.fc_weight, EagleNet(model, 29, vocab_ids.astype(np.int32)).fc_weight)
+    cfg = TrainEagleConfig(**{**dataclasses.asdict(TINY), "init_layers": (29,), "steps": 1, "eval_every": 1,
+                              "corpus": str(tiny_draft[0] / "corpus.pt"), "init_from": str(out)})
+    again = train_eagle(model, tokenizer, tmp_path, cfg, base="bundled", command="test", log=lambda *a: None)
+    assert again["history"][0] == {"step": 0, "held_out_agreement": info["held_out_agreement"],
+                                   "held_out_acceptance_length": info["held_out_acceptance_length"]}

@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from verifier.controller import (REASONS, AcceptanceEstimate, Controller, ControllerSettings, Decision, SequenceView,
-                                 StepTimeModel)
+from verifier.controller import (REASONS, AcceptanceEstimate, Controller, ControllerSettings, Decision,
+                                 ProposerLatency, SequenceView, StepTimeModel)
 
 A, B, L = 0.020, 0.0005, 0.001  # 20 ms fixed per pass, 0.5 ms per token, 1 ms proposer round trip
 MEMORY_BOUND = StepTimeModel.linear(A, B)
@@ -22,8 +22,10 @@ COMPUTE_BOUND = StepTimeModel([(1, 0.002), (4096, 0.002 * 4096)])  # T(n) = 2 ms
 
 def _controller(step_time=MEMORY_BOUND, methods=("ngram",), **settings) -> Controller:
     """Methods are not `cheap` here unless the test says so (shadow_latency_share 0 < L):
-    `plan` sizes k itself instead of asking for the cap and leaving it to `trim`."""
+    `plan` sizes k itself instead of asking for the cap and leaving it to `trim`. Their
+    acceptance moves by `acceptance_ewma` all the same, as the hand computations assume."""
     settings.setdefault("shadow_latency_share", 0.0)
+    settings.setdefault("costly_acceptance_ewma", settings.get("acceptance_ewma", 0.3))
     c = Controller(ControllerSettings(**settings), methods, step_time)
     for m in methods:
         c.observe_proposer(m, L)
@@ -268,6 +270,63 @@ def test_cheap_method_is_asked_for_the_cap_when_a_draft_would_pay():
 
     assert _one(seeded(0.25), SequenceView("s")) == Decision("ngram", 8, "goodput")
     assert _one(seeded(0.0), SequenceView("s")) == Decision(None, 0, "low_acceptance")
+
+
+def test_proposer_latency_is_a_line_in_k_once_k_has_varied():
+    lat = ProposerLatency(ewma=0.2)
+    assert lat(4) == 0.0  # no call yet
+    lat.observe(0.0165, k=6)  # one k so far: proportional, 16.5 ms / 6 per draft
+    assert lat(2) == pytest.approx(0.0165 * 2 / 6) and lat(None) == pytest.approx(0.0165)
+    for _ in range(10):  # 1.5 ms + 2.5 ms per draft, k alternating 2 and 6
+        lat.observe(0.0065, k=2)
+        lat.observe(0.0165, k=6)
+    assert lat.slope == pytest.approx(0.0025)
+    assert [lat(k) for k in (1, 3, 8)] == pytest.approx([0.004, 0.009, 0.0215])
+    for _ in range(40):  # k stops varying (the variance of k decays to 4 * 0.8^80)
+        lat.observe(0.009, k=3)
+    assert lat.slope == pytest.approx(0.0025)
+    for _ in range(40):  # then the calls get 3 ms slower: the slope is kept, the line moves up
+        lat.observe(0.012, k=3)
+    assert lat.slope == pytest.approx(0.0025)
+    assert [lat(k) for k in (3, 8)] == pytest.approx([0.012, 0.0245], abs=1e-5)
+    flat = ProposerLatency(ewma=0.2)
+    flat.observe(0.003)  # calls of unknown k: the plain average for any k
+    assert flat(1) == flat(8) == pytest.approx(0.003)
+
+
+def test_a_model_proposers_drafts_are_sized_by_what_each_costs():
+    # The CPU verifier at batch 1: T = 52 ms for 1 token, 59 ms for 2-4 (rows padded to 4),
+    # 77 ms for 5-8. An EAGLE-like head: 1.5 ms + 2.5 ms per draft; c(j) = 0.45, so
+    # alpha = 0.45, 0.2025, 0.0911, 0.0410, ... and with L(k) = 1.5 + 2.5 k ms:
+    #   k = 0: 1 / 52 = 0.01923 per ms
+    #   k = 2: 1.6525 / (59 + 6.5) = 0.02523;  k = 3: 1.7436 / (59 + 9) = 0.02564 (best)
+    #   k = 4: 1.7846 / (77 + 11.5) = 0.02017; k = 8: 1.8168 / (77 + 21.5) = 0.01844
+    # Its average call (k alternating 2 and 6: 11.5 ms) is below 0.25 * 52 = 13 ms, so with
+    # one figure for every k it counted as cheap and was asked for all 8 drafts (21.5 ms
+    # of drafting for 3 kept); priced by k, 8 drafts cost 21.5 ms > 13 ms: sized in `plan`.
+    def rows(n: int) -> int:
+        return n if n <= 1 else 4 if n <= 4 else 8 if n <= 8 else -(-n // 8) * 8
+
+    t = StepTimeModel([(1, 0.052), (4, 0.059), (8, 0.077), (16, 0.110)], rows=rows)
+    c = Controller(ControllerSettings(max_k=8), ("eagle",), t)
+    for _ in range(10):
+        c.observe_proposer("eagle", 0.0065, k=2)
+        c.observe_proposer("eagle", 0.0165, k=6)
+    assert c.latency_s("eagle") == pytest.approx(0.0115, abs=0.001)
+    c._state("s").by_method["eagle"] = AcceptanceEstimate([0.45] * 8)
+    assert _one(c, SequenceView("s")) == Decision("eagle", 3, "goodput")
+
+
+def test_a_costly_methods_acceptance_moves_slower():
+    # One rejected first draft from c(1) = 0.6: a cheap method's estimate moves by 0.3 of
+    # the gap (0.6 -> 0.42), a costly one's by 0.1 (0.6 -> 0.54), the settings' defaults.
+    c = Controller(ControllerSettings(), ("ngram", "eagle"), MEMORY_BOUND)  # T(1) = 20.5 ms
+    c.observe_proposer("ngram", 0.001)  # <= 0.25 * 20.5 ms: cheap
+    c.observe_proposer("eagle", 0.010)  # above it: costly
+    for m in ("ngram", "eagle"):
+        c.observe_round("s", m, 4, 0)
+    assert c.acceptance("s", "ngram")[0] == pytest.approx(0.42)
+    assert c.acceptance("s", "eagle")[0] == pytest.approx(0.54)
 
 
 def test_a_full_batch_asks_a_cheap_method_when_its_drafts_pay_together():
