@@ -77,6 +77,9 @@ class ProposerConfig(_Strict):
 
     method: str = Field(..., description="Registered proposal method, e.g. 'ngram'.")
     options: dict[str, Any] = Field(default_factory=dict, description="Method options, e.g. {min_n: 2, max_n: 4} for ngram.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads of a model proposer (draft, eagle); null = Ray's default, "
+        "resources.num_cpus rounded down, at least 1. N-gram never uses torch.")
     replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
     resources: ResourcesConfig = Field(ResourcesConfig(num_cpus=0.5), description="Per-replica resources.")
     autoscaling: AutoscalingConfig | None = Field(None, description="Serve autoscaling; overrides replicas.")
@@ -140,6 +143,12 @@ class ControllerConfig(_Strict):
     shadow_latency_share: float = Field(0.25, ge=0, description="A method whose round trip is at most this share "
                                         "of a lone decode step is cheap: 'goodput' asks it for max_k and trims the "
                                         "drafts once they are in, and only cheap methods shadow-draft.")
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _unquoted_off(cls, policy: Any) -> Any:
+        # YAML 1.1 reads a bare `policy: off` as the boolean false.
+        return "off" if policy is False else policy
 
     @model_validator(mode="after")
     def _valid(self) -> "ControllerConfig":

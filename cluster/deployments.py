@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import pathlib
+import sys
 import threading
 from typing import Any
 
@@ -48,12 +49,18 @@ def served_model_name(config: SplitspecConfig) -> str:
 class ProposerReplica:
     """Hosts one proposal method behind `splitspec.v1.Proposer` (gRPC) in a Serve replica."""
 
-    def __init__(self, method: str, options: dict[str, Any], ports: tuple[int, int] | None = None) -> None:
+    def __init__(self, config: dict[str, Any], ports: tuple[int, int] | None = None) -> None:
+        from cluster.config import ProposerConfig
         from proposers.registry import build_proposer
 
-        self.method = method
+        cfg = ProposerConfig.model_validate(config)
+        self.method = cfg.method
         self._ports = ports
-        self._source = build_proposer(method, options)
+        self._source = build_proposer(cfg.method, dict(cfg.options))
+        # torch threads as configured; else Ray's default (num_cpus rounded down, at least 1).
+        torch = sys.modules.get("torch")  # loaded by model proposers only
+        if cfg.num_threads and torch is not None:
+            torch.set_num_threads(cfg.num_threads)
         context = serve.get_replica_context()
         self._deployment = context.deployment
         self._replica_id = context.replica_id.unique_id
@@ -63,12 +70,12 @@ class ProposerReplica:
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True,
-                                        name=f"splitspec-proposer-{method}")
+                                        name=f"splitspec-proposer-{self.method}")
         self._thread.start()
         if not self._ready.wait(60):
-            raise RuntimeError(f"proposer {method}: the gRPC server did not start within 60 s")
+            raise RuntimeError(f"proposer {self.method}: the gRPC server did not start within 60 s")
         if self._error is not None:
-            raise RuntimeError(f"proposer {method}: the gRPC server failed to start") from self._error
+            raise RuntimeError(f"proposer {self.method}: the gRPC server failed to start") from self._error
 
     async def _serve(self) -> None:
         from proposers.server import ProposerServicer
@@ -98,8 +105,10 @@ class ProposerReplica:
             raise RuntimeError(f"proposer {self.method}: the gRPC server thread stopped")
 
     def info(self) -> dict[str, Any]:
+        torch = sys.modules.get("torch")
         return {"method": self.method, "address": self.address, "replica_id": self._replica_id,
-                "pid": os.getpid(), "active_sequences": getattr(self._source, "num_sequences", 0)}
+                "pid": os.getpid(), "active_sequences": getattr(self._source, "num_sequences", 0),
+                "torch_threads": None if torch is None else torch.get_num_threads()}
 
     def __del__(self) -> None:
         stopping = getattr(self, "_stopping", None)
@@ -248,7 +257,7 @@ def build_app(config: SplitspecConfig):
             graceful_shutdown_timeout_s=2.0,
             **_scaling_options(p.replicas, p.autoscaling, custom_policy=True),
         )
-        proposer_apps.append(deployment.bind(p.method, dict(p.options), config.api.proposer_ports))
+        proposer_apps.append(deployment.bind(p.model_dump(mode="json"), config.api.proposer_ports))
     v = config.verifier
     per_replica = v.max_num_seqs + v.max_waiting
     verifier = serve.deployment(VerifierReplica).options(

@@ -5,7 +5,10 @@ workload's greedy chat requests one at a time (concurrency 1) through the OpenAI
 (streaming) and through an in-process engine built from the same config (same model,
 dtype, proposer method and k, torch threads), alternating which goes first. The figure is
 output tokens per second of wall time; the summary quotes the median over repeats of the
-per-repeat ratio HTTP / local. It also checks that both emitted the same tokens.
+per-repeat ratio HTTP / local. It also checks that both emitted the same tokens, and says
+where each side's time went per engine step: choosing k and waiting for the proposers
+(`propose_ms`), the verifier's pass (`pass_ms`), and the rest of the wall time (`rest_ms`:
+the engine loop, and for HTTP the ingress, Serve and streaming).
 """
 
 from __future__ import annotations
@@ -42,6 +45,21 @@ def _http_run(base_url: str, model: str, conversations, max_tokens: int):
     return outputs, time.perf_counter() - start, accepted, drafted
 
 
+def _engine_counters(stats) -> tuple[int, float, float]:
+    """(steps, propose_s, pass_s) of an `EngineStats` or its dict."""
+    get = stats.get if isinstance(stats, dict) else lambda name: getattr(stats, name)
+    return get("num_steps"), get("propose_s"), get("pass_s")
+
+
+def _per_step(before, after, wall_s: float) -> dict:
+    steps = after[0] - before[0]
+    if steps <= 0:
+        return {"steps": 0}
+    propose_ms, pass_ms = (after[1] - before[1]) * 1e3 / steps, (after[2] - before[2]) * 1e3 / steps
+    return {"steps": steps, "propose_ms": round(propose_ms, 2), "pass_ms": round(pass_ms, 2),
+            "rest_ms": round(wall_s * 1e3 / steps - propose_ms - pass_ms, 2)}
+
+
 def _local_run(engine, prompts, max_tokens: int):
     from verifier.sampling_params import SamplingParams
 
@@ -55,6 +73,7 @@ def _local_run(engine, prompts, max_tokens: int):
 
 def run(args: argparse.Namespace) -> dict:
     import torch
+    from ray import serve
 
     from cluster.config import LOCAL_CONFIG_PATH, load_config
     from cluster.deployments import served_model_name
@@ -82,21 +101,26 @@ def run(args: argparse.Namespace) -> dict:
         wait_healthy(f"http://127.0.0.1:{http_port}/health")
         base = f"http://127.0.0.1:{http_port}/v1"
         name = served_model_name(config)
+        verifier = serve.get_deployment_handle("Verifier", "splitspec")
+        counters = {"http": lambda: _engine_counters(verifier.stats.remote().result()["engine"]),
+                    "local": lambda: _engine_counters(engine.stats)}
         _http_run(base, name, conversations[:1], 8)  # warm-up: connections, first-call costs
         _local_run(engine, prompts[:1], 8)
         for repeat in range(args.repeats):
             order = ("http", "local") if repeat % 2 == 0 else ("local", "http")
-            got = {}
+            got, steps = {}, {}
             for mode in order:
+                before = counters[mode]()
                 if mode == "http":
                     got[mode] = _http_run(base, name, conversations, args.max_tokens)
                 else:
                     got[mode] = _local_run(engine, prompts, args.max_tokens)
+                steps[mode] = _per_step(before, counters[mode](), got[mode][1])
             row = {"repeat": repeat}
             for mode, (outputs, wall, accepted, drafted) in got.items():
                 tokens = sum(len(o) for o in outputs)
                 row[mode] = {"output_tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
-                             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0}
+                             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0, **steps[mode]}
             row["ratio_http_over_local"] = round(row["http"]["tokens_per_s"] / row["local"]["tokens_per_s"], 4)
             row["identical_outputs"] = got["http"][0] == got["local"][0]
             rows.append(row)
@@ -111,6 +135,10 @@ def run(args: argparse.Namespace) -> dict:
         "median_http_tokens_per_s": statistics.median(r["http"]["tokens_per_s"] for r in rows),
         "median_local_tokens_per_s": statistics.median(r["local"]["tokens_per_s"] for r in rows),
         "median_ratio_http_over_local": statistics.median(ratios),
+        # Where the time went, per engine step (median over repeats).
+        "median_ms_per_step": {mode: {part: statistics.median(r[mode][part] for r in rows)
+                                      for part in ("propose_ms", "pass_ms", "rest_ms")}
+                               for mode in ("http", "local") if all(r[mode]["steps"] for r in rows)},
         "all_identical": all(r["identical_outputs"] for r in rows),
     }
 

@@ -139,7 +139,7 @@ def model_proposers_app(serve_cluster) -> ServedApp:
     """The trained draft model and EAGLE head (proposers/assets/), each its own deployment
     talking gRPC to the verifier, which sends the EAGLE one the target's hidden states."""
     return _deploy(serve_cluster, "models", "/models", {
-        "proposers": [{"method": "draft", "resources": {"num_cpus": 0.25}},
+        "proposers": [{"method": "draft", "num_threads": 2, "resources": {"num_cpus": 0.25}},
                       {"method": "eagle", "resources": {"num_cpus": 0.25}}],
         "verifier": {**_VERIFIER, "max_num_seqs": 4, "max_model_len": 1024, "max_waiting": 4,
                      "proposer_deadline_ms": 2000, "resources": {"num_cpus": 0.5}},

@@ -283,3 +283,15 @@ def test_sigterm_unwinds_the_bench_like_ctrl_c():
                 unwound.append(signal.getsignal(signal.SIGTERM) is not before)
     assert isinstance(exc.value, KeyboardInterrupt) and exc.value.args == (signal.SIGTERM,)
     assert unwound == [True] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_serve_bench_splits_each_step_by_hand():
+    """serve-bench's per-step split: 10 steps, 0.2 s waiting for proposers and 0.5 s in
+    passes over a 1.0 s run is 20 + 50 ms per step, and the other 30 ms are the rest."""
+    from cluster.serve_bench import _engine_counters, _per_step
+    from verifier.engine import EngineStats
+
+    before = _engine_counters(EngineStats(num_steps=5, propose_s=0.1, pass_s=0.3))
+    after = _engine_counters({"num_steps": 15, "propose_s": 0.3, "pass_s": 0.8})
+    assert _per_step(before, after, 1.0) == {"steps": 10, "propose_ms": 20.0, "pass_ms": 50.0, "rest_ms": 30.0}
+    assert _per_step(after, after, 1.0) == {"steps": 0}

@@ -39,6 +39,16 @@ def test_local_example_matches_what_it_says():
     assert g.verifier.tensor_parallel_size == 2 and g.verifier.resources.num_gpus == 2
 
 
+def test_a_bare_policy_off_is_the_off_policy(tmp_path):
+    """YAML 1.1 reads an unquoted `off` as false: `policy: off` still means the off policy."""
+    path = tmp_path / "off.yaml"
+    path.write_text("controller: {policy: off}\n")
+    assert load_config(path).controller.policy == "off"
+    path.write_text("controller: {policy: true}\n")
+    with pytest.raises(ConfigError, match="controller.policy: "):
+        load_config(path)
+
+
 @pytest.mark.parametrize(
     "yaml_text, field, fragment",
     [

@@ -625,3 +625,11 @@ def test_model_proposers_deploy_and_stay_exact(model_proposers_app, tokenizer, g
     spec = r.model_extra["speculation"]
     assert spec["rounds_by_method"] == {method: spec["rounds_with_drafts"]}
     assert spec["rounds_with_drafts"] > 0 and spec["accepted"] > 0
+
+
+def test_a_model_proposers_threads_are_configurable(model_proposers_app):
+    """`num_threads` sets a model proposer replica's torch threads; without it, the replica
+    keeps Ray's cap for its num_cpus of 0.25 (one thread)."""
+    draft = model_proposers_app.proposer("draft").info.remote().result()
+    eagle = model_proposers_app.proposer("eagle").info.remote().result()
+    assert (draft["torch_threads"], eagle["torch_threads"]) == (2, 1)
