@@ -78,7 +78,7 @@ class TrainDraftConfig:
     #: Rows of the draft's LM head: the most frequent target tokens of the corpus.
     vocab_subset: int = 8192
     #: Prompts from the repo's prompt set (all when 0), and prompts built from the stdlib.
-    num_prompts: int = 480
+    num_prompts: int = 0
     num_docstring_prompts: int = 64
     num_function_prompts: int = 64
     #: Longest answer the target writes per prompt.
@@ -88,7 +88,7 @@ class TrainDraftConfig:
     source_chunk: int = 256
     #: Held-out answers for the agreement figure.
     eval_sequences: int = 40
-    steps: int = 280
+    steps: int = 450
     tokens_per_step: int = 6144
     lr: float = 5e-4
     warmup_steps: int = 20

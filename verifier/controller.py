@@ -65,6 +65,12 @@ do not use the same way, once per `probe_interval` rounds. Drafts that `trim` cu
 become the sequence's shadow draft likewise (when none is pending). Sampled sequences use
 probes.
 
+Probes of a costly method (a model proposer) share calls: its call costs the round the
+proposer's time whatever the number of sequences in it, so a sequence due for a probe
+waits until `probe_interval` rounds have passed since the method's last probe round, and
+every sequence due then is probed in that one call. One probe call per method per
+`probe_interval` rounds, not one per sequence.
+
 A request's own `speculation` always wins: `mode: off` (or `max_k: 0`) gives k = 0,
 `mode: on` a fixed k = its `max_k` (else `k`), `method` pins the method, and `max_k`
 caps whatever the policy chooses. Every decision carries a reason (`REASONS`).
@@ -450,6 +456,9 @@ class Controller:
         self.set_methods(methods)
         self._latency: dict[str, ProposerLatency] = {}
         self._seqs: dict[str, _SeqState] = {}
+        #: Rounds planned, and per costly method the last round that probed it.
+        self._round = 0
+        self._probe_round: dict[str, int] = {}
         #: Decisions since start, by reason (the source of the controller metrics).
         self.decisions: collections.Counter[str] = collections.Counter()
 
@@ -541,6 +550,7 @@ class Controller:
         proposer right now. `num_prefill_*`: prompts prefilled in the same pass."""
         live = [m for m in self.methods if available is None or available.get(m, False)]
         s = self.settings
+        self._round += 1
         decisions: list[Decision | None] = [None] * len(seqs)
         auto: list[int] = []  # sequences the policy decides
         for i, v in enumerate(seqs):
@@ -831,14 +841,30 @@ class Controller:
             # Only an acceptance-driven off is worth re-measuring: a compute-bound batch
             # stays compute bound whatever this sequence's acceptance.
             if (state.off_reason != "batch_compute_bound" and state.idle.get(chosen, 0) >= s.probe_interval
-                    and not self._can_shadow(v, chosen)):
+                    and not self._can_shadow(v, chosen) and self._probe_call(chosen)):
                 return Decision(chosen, k, "probe")
             return None
         if v.method is None:
             for m in live:
-                if m != chosen and state.idle.get(m, 0) >= s.probe_interval and not self._can_shadow(v, m):
+                if (m != chosen and state.idle.get(m, 0) >= s.probe_interval and not self._can_shadow(v, m)
+                        and self._probe_call(m)):
                     return Decision(m, k, "probe")
         return None
+
+    def _probe_call(self, method: str) -> bool:
+        """Whether a due probe of `method` goes in this round's call: always for a cheap
+        method; for a costly one, in a round that already probes it, or once
+        `probe_interval` rounds have passed since the last round that did (which this
+        round then becomes)."""
+        if self._cheap(method):
+            return True
+        last = self._probe_round.get(method)
+        if last == self._round:
+            return True
+        if last is not None and self._round - last < self.settings.probe_interval:
+            return False
+        self._probe_round[method] = self._round
+        return True
 
 
 def _ask(calls: dict[str, int], method: str, k: int) -> None:

@@ -19,7 +19,8 @@ def test_defaults_serve_the_bundled_model_with_ngram():
     assert c.api.http_port != c.api.grpc_port
 
 
-@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-cluster.yaml", "bench-cpu.yaml", "bench-cpu-eagle.yaml"])
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-cluster.yaml", "bench-cpu.yaml", "bench-cpu-eagle.yaml",
+                                  "bench-cpu-all.yaml"])
 def test_shipped_examples_validate(name):
     c = load_config(CONFIG_DIR / name)
     assert isinstance(c, SplitspecConfig) and c.proposers

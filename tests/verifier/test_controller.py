@@ -498,3 +498,27 @@ def test_method_choice_follows_each_sequence_and_probes_the_other():
     # Each settles on its own method; the other is only probed, about once per 8 rounds.
     assert used["quoting", "ngram"] >= 30 and used["free", "draft"] >= 30
     assert 2 <= used["quoting", "draft"] <= 8 and 2 <= used["free", "ngram"] <= 8
+
+
+def test_due_probes_of_a_costly_method_share_one_call():
+    # Eight sequences arrive one round apart (s_i first planned in round i + 1). N-gram
+    # accepts everything and draft nothing, so each settles on n-gram and is due for a probe
+    # of the (costly) draft method 8 rounds after its last use of it. By hand:
+    #   round 8: s0 is due, and the draft method was never probed: s0 probes alone;
+    #   rounds 9-15: s1..s7 fall due, but the last probe round was 8: they wait;
+    #   round 16: everyone is due (s0 again: 8 rounds since its probe): one call for all 8;
+    #   then every 8 rounds, all 8 together.
+    # Without sharing, every round from 8 on would call the draft model for one sequence.
+    c = _controller(methods=("ngram", "draft"))
+    views = [SequenceView(f"s{i}") for i in range(8)]
+    probed: dict[int, list[str]] = {}
+    for round_ in range(1, 41):
+        running = views[:round_]
+        for v, d in zip(running, c.plan(running)):
+            if d.k:
+                c.observe_round(v.seq_id, d.method, d.k, d.k if d.method == "ngram" else 0)
+                if d.method == "draft":
+                    assert d.reason == "probe"
+                    probed.setdefault(round_, []).append(v.seq_id)
+    everyone = [v.seq_id for v in views]
+    assert probed == {8: ["s0"], 16: everyone, 24: everyone, 32: everyone, 40: everyone}
