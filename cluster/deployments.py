@@ -23,7 +23,7 @@ import ray
 from ray import serve
 
 from cluster.autoscaling import ACTIVE_SEQUENCES, POLICY_PATH
-from cluster.config import AutoscalingConfig, ResourcesConfig, SplitspecConfig
+from cluster.config import AutoscalingConfig, ProposerConfig, ResourcesConfig, SplitspecConfig
 from cluster.discovery import HEARTBEAT_S, get_directory
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,6 @@ class ProposerReplica:
     """Hosts one proposal method behind `splitspec.v1.Proposer` (gRPC) in a Serve replica."""
 
     def __init__(self, config: dict[str, Any], ports: tuple[int, int] | None = None) -> None:
-        from cluster.config import ProposerConfig
         from proposers.registry import build_proposer
 
         cfg = ProposerConfig.model_validate(config)

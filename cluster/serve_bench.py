@@ -22,6 +22,9 @@ import time
 
 logger = logging.getLogger(__name__)
 
+#: The Serve application the benchmark deploys, reads the verifier's counters from and stops.
+APP = "splitspec"
+
 
 def _http_run(base_url: str, model: str, conversations, max_tokens: int):
     import openai
@@ -97,11 +100,11 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     try:
         http_port, _ = start_serve("127.0.0.1", 0, 0)
-        deploy(config)
+        deploy(config, APP)
         wait_healthy(f"http://127.0.0.1:{http_port}/health")
         base = f"http://127.0.0.1:{http_port}/v1"
         name = served_model_name(config)
-        verifier = serve.get_deployment_handle("Verifier", "splitspec")
+        verifier = serve.get_deployment_handle("Verifier", APP)
         counters = {"http": lambda: _engine_counters(verifier.stats.remote().result()["engine"]),
                     "local": lambda: _engine_counters(engine.stats)}
         _http_run(base, name, conversations[:1], 8)  # warm-up: connections, first-call costs
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
-        stop("splitspec", owns_cluster=True)
+        stop(APP, owns_cluster=True)
     ratios = [r["ratio_http_over_local"] for r in rows]
     return {
         "workload": args.workload, "requests": len(conversations), "max_tokens": args.max_tokens,
