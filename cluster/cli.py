@@ -26,7 +26,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="float32 (default) is exact; bfloat16 is faster on CPUs with AVX512-BF16")
     p.add_argument("--speculation", choices=(OFF, *sorted(PROPOSERS)), default="ngram")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (0 = no speculation)")
+    p.add_argument("--tree", default=None, metavar="W,W,...",
+                   help="eagle only: draft token trees for greedy requests, W children per node at each depth "
+                        "(e.g. 3,2,1; depth --k); default chains")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length per sequence")
+
+
+def _tree_arg(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """`--tree W,W,...` as widths; InvalidRequestError naming `tree` otherwise."""
+    if args.tree is None:
+        return None
+    if args.speculation != "eagle":
+        raise InvalidRequestError("tree", f"token trees are drafted by EAGLE heads only (speculation is "
+                                          f"{args.speculation!r})")
+    parts = args.tree.split(",")
+    if not all(w.strip().isdigit() and int(w) > 0 for w in parts):
+        raise InvalidRequestError("tree", f"must be comma-separated widths >= 1, e.g. 3,2,1; got {args.tree!r}")
+    return tuple(int(w) for w in parts)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -51,7 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise InvalidRequestError("k", f"must be >= 0, got {args.k}")
     engine = build_local_engine(LocalEngineSpec(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
-        k=args.k, max_num_seqs=1, max_model_len=args.max_model_len,
+        k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=_tree_arg(args),
     ))
     tok = engine.tokenizer
     if args.chat:
@@ -83,6 +99,7 @@ def _generate(args: argparse.Namespace) -> int:
             "finish_reason": finish_reason,
             "speculation": args.speculation if args.k > 0 else "off",
             "k": args.k,
+            "tree": None if args.tree is None else list(_tree_arg(args)),
             "dtype": args.dtype,
             "stats": summary,
         }))

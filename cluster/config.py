@@ -76,7 +76,7 @@ class ProposerConfig(_Strict):
     """One proposer deployment."""
 
     method: str = Field(..., description="Registered proposal method, e.g. 'ngram'.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Method options, e.g. {min_n: 2, max_n: 4} for ngram.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Method options, e.g. {min_n: 2, max_n: 4} for ngram, {tree: [3, 2, 1]} for eagle.")
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of a model proposer (draft, eagle); null = Ray's default, "
         "resources.num_cpus rounded down, at least 1. N-gram never uses torch.")
@@ -92,6 +92,21 @@ class ProposerConfig(_Strict):
         if method not in PROPOSERS:
             raise ValueError(f"unknown method {method!r}; known: {sorted(PROPOSERS)}")
         return method
+
+    @field_validator("options")
+    @classmethod
+    def _tree_widths(cls, options: dict[str, Any]) -> dict[str, Any]:
+        tree = options.get("tree")
+        if tree is not None and not (isinstance(tree, list) and tree and all(
+                isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in tree)):
+            raise ValueError(f"tree must be a list of widths >= 1, e.g. [3, 2, 1] (given: {tree!r})")
+        return options
+
+    @model_validator(mode="after")
+    def _trees_are_eagles(self) -> "ProposerConfig":
+        if self.options.get("tree") is not None and self.method != "eagle":
+            raise ValueError(f"options.tree: token trees are drafted by EAGLE heads only (method {self.method!r})")
+        return self
 
 
 class VerifierConfig(_Strict):

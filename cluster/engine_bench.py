@@ -92,8 +92,10 @@ def _run_hf(hf, prompts: list[list[int]], max_tokens: int, eos_ids) -> tuple[lis
 
 
 def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
-    """One engine per mode: "off", "METHOD:K" (that proposer, static k) or "auto" (the
-    goodput controller choosing among every method named in the modes, else n-gram)."""
+    """One engine per mode: "off", "METHOD:K" (that proposer, static k), "METHOD:K:W-W-..."
+    (an EAGLE head drafting token trees of those widths, `DraftModelConfig.tree`, depth K)
+    or "auto" (the goodput controller choosing among every method named in the modes,
+    else n-gram)."""
     from proposers.registry import build_proposer
     from verifier.controller import ControllerSettings
 
@@ -110,9 +112,10 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
             # Before the clock starts, as a verifier replica does when it starts (about 6 s).
             engines[mode].profile_step_time()
         else:
-            method, k = mode.split(":")
-            engines[mode] = Engine(model, tokenizer, config, {method: proposers[method]},
-                                   Controller.static(int(k), (method,)))
+            method, k, *tree = mode.split(":")
+            source = proposers[method] if not tree else build_proposer(
+                method, {"tree": [int(w) for w in tree[0].split("-")]})
+            engines[mode] = Engine(model, tokenizer, config, {method: source}, Controller.static(int(k), (method,)))
     return engines
 
 
@@ -214,8 +217,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=_int_list, default=[1, 8], help="comma-separated batch sizes (default 1,8)")
     p.add_argument("--k", type=int, default=4, help="k of the default modes (off,ngram:K)")
     p.add_argument("--modes", default=None,
-                   help="comma-separated: off, METHOD:K (e.g. draft:4, eagle:4) or auto (the goodput controller "
-                        "over the methods named); default off,ngram:K")
+                   help="comma-separated: off, METHOD:K (e.g. draft:4, eagle:4), METHOD:K:W-W-... (an EAGLE "
+                        "head drafting token trees of those widths, e.g. eagle:3:4-1-1) or auto (the goodput "
+                        "controller over the methods named); default off,ngram:K")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--requests", type=int, default=8, help="prompts per workload")
@@ -229,6 +233,8 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.workload = args.workload or ["code_edit", "chat"]
     args.modes = [m for m in (args.modes or f"off,ngram:{args.k}").split(",") if m]
     for mode in args.modes:
-        if mode not in ("off", "auto") and not (":" in mode and mode.split(":")[1].isdigit()):
-            raise InvalidRequestError("modes", f"{mode!r} is not off, auto or METHOD:K")
+        parts = mode.split(":")
+        if mode not in ("off", "auto") and not (len(parts) in (2, 3) and parts[1].isdigit() and (
+                len(parts) == 2 or all(w.isdigit() and int(w) > 0 for w in parts[2].split("-")))):
+            raise InvalidRequestError("modes", f"{mode!r} is not off, auto, METHOD:K or METHOD:K:W-W-...")
     return args

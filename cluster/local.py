@@ -32,6 +32,8 @@ class LocalEngineSpec:
     k: int = 4
     max_num_seqs: int = 8
     max_model_len: int = 2048
+    #: Token-tree widths for an EAGLE head (`DraftModelConfig.tree`); None: chains.
+    tree: tuple[int, ...] | None = None
 
 
 def check_vocabularies(tokenizer: Tokenizer, proposers: Mapping[str, ProposalSource]) -> None:
@@ -53,7 +55,7 @@ def build_local_engine(spec: LocalEngineSpec) -> Engine:
     config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
     if spec.speculation == OFF or spec.k == 0:
         return Engine(model, tokenizer, config, None, Controller.off())
-    proposer = build_proposer(spec.speculation)
+    proposer = build_proposer(spec.speculation, {} if spec.tree is None else {"tree": list(spec.tree)})
     check_vocabularies(tokenizer, {spec.speculation: proposer})
     return Engine(model, tokenizer, config, proposer, Controller.static(spec.k))
 

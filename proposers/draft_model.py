@@ -148,11 +148,26 @@ class DraftModelConfig:
     sample_top_k: int = 64
     #: Seed of the sampling generator.
     seed: int = 0
+    #: Token trees for greedy requests (EAGLE heads only): the children each draft node
+    #: gets at each depth, e.g. (3, 2, 1): the root's top 3, each of those their top 2, and
+    #: one each after (depths past the list get 1). A tree of depth k has sum over
+    #: j <= k of prod(tree[:j]) drafts: (3, 2, 1) at k = 3 is 3 + 6 + 6 = 15. None: chains.
+    tree: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_k", "sample_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tree is not None:
+            object.__setattr__(self, "tree", tuple(int(w) for w in self.tree))
+            if not self.tree or min(self.tree) < 1:
+                raise ValueError(f"tree must list at least one width, each >= 1, got {list(self.tree)}")
+
+    def widths(self, k: int) -> list[int] | None:
+        """Children per node at depths 1..k of a greedy request's tree; None: a chain."""
+        if self.tree is None:
+            return None
+        return [self.tree[j] if j < len(self.tree) else 1 for j in range(k)]
 
 
 @dataclasses.dataclass
@@ -181,11 +196,16 @@ class DraftModelProposer:
         #: The draft's vocabulary, sent in `Info` for the verifier's compatibility check.
         self.vocab = vocab
         self.config = config or DraftModelConfig()
+        if self.config.tree is not None and not self._trees:
+            raise ValueError(f"{method}: token trees (`tree`) are drafted by EAGLE heads only")
         self.max_k = self.config.max_k
         self.cache = model.new_cache(self.config.max_num_seqs, self.config.max_model_len)
         self._seqs: collections.OrderedDict[str, _Seq] = collections.OrderedDict()  # LRU order
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._lock = threading.Lock()  # one round at a time on the cache (several streams may call)
+
+    #: Whether this proposer drafts token trees when `tree` is set.
+    _trees = False
 
     @property
     def num_sequences(self) -> int:
@@ -217,8 +237,8 @@ class DraftModelProposer:
                 if k > 0:
                     drafting.append((i, seq, k, float(r.temperature)))
             if drafting:
-                for (i, _, _, _), (tokens, probs) in zip(drafting, self._draft(drafting)):
-                    out[i] = Proposal(requests[i].seq_id, tokens, probs)
+                for (i, _, _, _), (tokens, probs, parents) in zip(drafting, self._draft(drafting)):
+                    out[i] = Proposal(requests[i].seq_id, tokens, probs, draft_parents=parents)
             return out
 
     # ------------------------------------------------------------------ state
@@ -288,7 +308,9 @@ class DraftModelProposer:
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
-    def _draft(self, drafting: list[tuple[int, _Seq, int, float]]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    def _draft(self, drafting: list[tuple[int, _Seq, int, float]]
+               ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
+        """(tokens, probs, tree parents or None) per drafting sequence."""
         vocab = self.model.config.vocab_size
         tokens = [np.zeros(k, np.int32) for _, _, k, _ in drafting]
         probs = [np.zeros((k, vocab), np.float32) if t > 0 else None for _, _, k, t in drafting]
@@ -309,7 +331,7 @@ class DraftModelProposer:
                 tokens[a][j] = token
                 seq.ids[seq.ctx_len + j] = token
         # The cache now holds context + drafts 1..k-1: kept for the next round's match.
-        return list(zip(tokens, probs))
+        return [(t, q, None) for t, q in zip(tokens, probs)]
 
     def _pick(self, logits: torch.Tensor, temperatures: list[float], probs: list[np.ndarray | None],
               j: int) -> list[int]:

@@ -112,6 +112,8 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
 def _draft_message(p: Proposal) -> proposer_pb2.SequenceDraft:
     message = proposer_pb2.SequenceDraft(
         seq_id=p.seq_id, draft_token_ids=np.asarray(p.draft_token_ids, dtype=np.int32).tolist(), resync=p.resync)
+    if p.draft_parents is not None:
+        message.draft_parents.extend(np.asarray(p.draft_parents, dtype=np.int32).tolist())
     if p.draft_probs is None:
         return message
     probs = np.asarray(p.draft_probs, dtype="<f4")

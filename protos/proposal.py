@@ -53,12 +53,20 @@ class Proposal:
     `draft_probs`: float32 [n, vocab] — the draft distribution q each token was sampled
     from — or None for a deterministic draft (treated as one-hot q by the verifier).
     `resync`: the proposer lacks `base_len` tokens of state; send the full context.
+    `draft_parents`: int32 [n] or None. None: the drafts are a chain (draft i continues
+    draft i - 1). Otherwise a token tree, for greedy requests only: `draft_parents[i]` is
+    the index of draft i's parent (< i), or -1 for the last context token; the depth is at
+    most k (n may exceed k) and siblings come in order of preference (the verifier reads
+    the first child of each node as the chain when it needs one). Example: the top two
+    candidates for the next token, each followed by its best continuation:
+    `draft_token_ids [a, b, a2, b2]`, `draft_parents [-1, -1, 0, 1]`.
     """
 
     seq_id: str
     draft_token_ids: np.ndarray
     draft_probs: np.ndarray | None = None
     resync: bool = False
+    draft_parents: np.ndarray | None = None
 
 
 @runtime_checkable

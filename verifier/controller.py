@@ -71,6 +71,14 @@ waits until `probe_interval` rounds have passed since the method's last probe ro
 every sequence due then is probed in that one call. One probe call per method per
 `probe_interval` rounds, not one per sequence.
 
+Token trees (a proposer that drafts several candidates per position, `verifier.token_tree`):
+k is the tree's depth, c_i(j) the acceptance of depth j given depths 1..j-1 (a tree round
+counts as a chain of its depth), and depth j costs the pass as many tokens as the tree has
+nodes there: `trim` reads them from the trees received (`levels`), and the controller keeps
+each method's last ones to price its depths in `plan` (a method not seen drafting a tree
+costs one token per depth). On a CPU verifier depths of many nodes seldom pay: rows past 4
+cost (`LlamaModel.gemm_rows`).
+
 A request's own `speculation` always wins: `mode: off` (or `max_k: 0`) gives k = 0,
 `mode: on` a fixed k = its `max_k` (else `k`), `method` pins the method, and `max_k`
 caps whatever the policy chooses. Every decision carries a reason (`REASONS`).
@@ -456,6 +464,8 @@ class Controller:
         self.set_methods(methods)
         self._latency: dict[str, ProposerLatency] = {}
         self._seqs: dict[str, _SeqState] = {}
+        #: Per method, the drafts per depth of its last token tree (`trim`'s `levels`).
+        self._levels: dict[str, list[int]] = {}
         #: Rounds planned, and per costly method the last round that probed it.
         self._round = 0
         self._probe_round: dict[str, int] = {}
@@ -523,6 +533,27 @@ class Controller:
         """The slowest of the calls {method: largest k} (they run in parallel)."""
         return max((self.latency_s(m, k) for m, k in methods.items()), default=0.0)
 
+    def tokens(self, method: str | None, k: int) -> int:
+        """Draft tokens a round of depth k costs the pass with `method`: k for a chain, the
+        nodes of depths 1..k of the method's last tree (its deepest level repeated below).
+
+        >>> c = Controller(methods=("eagle",)); c.tokens("eagle", 3)
+        3
+        >>> _ = c.trim([("s", "eagle", 2, "static")], levels=[[3, 6]]); c.tokens("eagle", 3)
+        15
+        """
+        levels = self._levels.get(method) if method is not None else None
+        if not levels:
+            return k
+        return sum(self._level(method, j) for j in range(k))
+
+    def _level(self, method: str, j: int) -> int:
+        """Draft tokens at depth j + 1 of `method`'s rounds (1 for a chain)."""
+        levels = self._levels.get(method)
+        if not levels:
+            return 1
+        return levels[j] if j < len(levels) else levels[-1]
+
     def forget(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
 
@@ -586,21 +617,28 @@ class Controller:
         return out
 
     def trim(self, rounds: Sequence[tuple[str, str | None, int, str]], num_prefill_tokens: int = 0,
-             num_prefill_seqs: int = 0) -> list[int]:
-        """Once the proposers have answered: how many of each sequence's drafts to verify.
+             num_prefill_seqs: int = 0, levels: Sequence[Sequence[int] | None] | None = None) -> list[int]:
+        """Once the proposers have answered: how many of each sequence's draft positions
+        (a tree's depths) to verify.
 
-        `rounds[i]` is (seq_id, method, drafts received, the decision's reason) for every
-        running sequence of the pass. Only `goodput` decisions are cut, by the same
-        maximisation as `plan`, now knowing which sequences have drafts and how many
+        `rounds[i]` is (seq_id, method, draft positions received, the decision's reason)
+        for every running sequence of the pass; `levels[i]`, for a token tree, its drafts
+        at each depth (None: a chain, one each). Only `goodput` decisions are cut, by the
+        same maximisation as `plan`, now knowing which sequences have drafts and how many
         (p = 1 for those, nothing for the rest); the proposers' time is spent by now and
         does not count. Other decisions keep every draft they received."""
         out = [n for _, _, n, _ in rounds]
+        sizes = [[1] * n if levels is None or levels[i] is None else list(levels[i])
+                 for i, (_, _, n, _) in enumerate(rounds)]
+        for (_, method, n, _), lv in zip(rounds, levels or ()):
+            if lv is not None and method is not None:
+                self._levels[method] = list(lv)
         if self.step_time is None or not any(n and reason == "goodput" for _, _, n, reason in rounds):
             return out  # nothing to cut (static policies: every round)
         t = self._pass_time(len(rounds), num_prefill_tokens, num_prefill_seqs)
-        fixed_tokens = float(len(rounds) + sum(out))
+        fixed_tokens = float(len(rounds) + sum(sum(lv[:n]) for (_, _, n, _), lv in zip(rounds, sizes)))
         fixed_expected = float(len(rounds))
-        candidates: list[tuple[float, float, int, str]] = []
+        candidates: list[tuple[float, float, int, str, int]] = []
         for i, (seq_id, method, n, reason) in enumerate(rounds):
             if n == 0 or method not in self._global:
                 continue
@@ -608,9 +646,9 @@ class Controller:
             if reason != "goodput":
                 fixed_expected += sum(alphas)
                 continue
-            fixed_tokens -= n
+            fixed_tokens -= sum(sizes[i][:n])
             out[i] = 0
-            candidates.extend((a, 1.0, i, method) for a in alphas)
+            candidates.extend((a, 1.0, i, method, sizes[i][j]) for j, a in enumerate(alphas))
         ks = self._best_prefix(candidates, lambda gained, tokens, methods: (
             (fixed_expected + gained) / t(fixed_tokens + tokens)))
         for i, k in ks.items():
@@ -618,29 +656,31 @@ class Controller:
         return out
 
     @staticmethod
-    def _best_prefix(candidates: list[tuple[float, float, int, str]], goodput,
+    def _best_prefix(candidates: list[tuple[float, float, int, str, int]], goodput,
                      longest: bool = False) -> collections.Counter[int]:
-        """Draft tokens per sequence maximising `goodput(gained, tokens, methods)`:
-        `candidates` are (marginal alpha, p, sequence, method), each sequence's alphas
-        non-increasing; tokens go in decreasing alpha and the best prefix is kept (exact
-        for any T of the token count). `methods` maps each method of the prefix to the
-        largest k it asks of a sequence. `longest`: the longest prefix that beats no draft
-        instead. Empty when no draft beats none."""
+        """Draft positions per sequence maximising `goodput(gained, tokens, methods)`:
+        `candidates` are (marginal alpha, p, sequence, method, tokens of the position: 1,
+        or a tree depth's nodes), each sequence's alphas non-increasing; positions go in
+        decreasing alpha and the best prefix is kept (exact for any T of the token count
+        when every position is one token; with trees, a depth's cost is not in the order).
+        `methods` maps each method of the prefix to the largest k it asks of a sequence.
+        `longest`: the longest prefix that beats no draft instead. Empty when no draft
+        beats none."""
         candidates = sorted(candidates, key=lambda c: -c[0])
         best_d, best_g = 0, goodput(0.0, 0.0, {})
         base_g = best_g
         gained, tokens = 0.0, 0.0
         methods: dict[str, int] = {}
         per_seq: collections.Counter[int] = collections.Counter()
-        for d, (a, p, i, m) in enumerate(candidates, start=1):
+        for d, (a, p, i, m, w) in enumerate(candidates, start=1):
             gained += p * a
-            tokens += p
+            tokens += p * w
             per_seq[i] += 1
             methods[m] = max(methods.get(m, 0), per_seq[i])
             g = goodput(gained, tokens, methods)
             if g > best_g or (longest and g > base_g):
                 best_d, best_g = d, max(g, best_g)
-        return collections.Counter(i for _, _, i, _ in candidates[:best_d])
+        return collections.Counter(i for _, _, i, _, _ in candidates[:best_d])
 
     def _cap(self, v: SequenceView) -> int:
         cap = max(v.remaining_tokens - 1, 0)  # a round emits up to k + 1 tokens
@@ -668,7 +708,8 @@ class Controller:
 
         def score(m: str) -> float:
             est = self._estimate(state, m)
-            return max(est.expected_tokens(k) / (t(1 + est.p * k) + self.latency_s(m, k)) for k in range(1, cap + 1))
+            return max(est.expected_tokens(k) / (t(1 + est.p * self.tokens(m, k)) + self.latency_s(m, k))
+                       for k in range(1, cap + 1))
 
         return max(live, key=lambda m: (score(m), -live.index(m)))
 
@@ -702,10 +743,10 @@ class Controller:
         fixed_methods: dict[str, int] = {}  # method -> the largest k asked of it
         for d in decisions:
             if d is not None and d.k > 0:
-                fixed_tokens += d.k
+                fixed_tokens += self.tokens(d.method, d.k)
                 _ask(fixed_methods, d.method, d.k)
-        # Candidates: (marginal alpha, p, auto index, method); alpha per sequence non-increasing.
-        candidates: list[tuple[float, float, int, str]] = []
+        # Candidates: (marginal alpha, p, auto index, method, tokens); alpha per sequence non-increasing.
+        candidates: list[tuple[float, float, int, str, int]] = []
         cheap: list[tuple[int, str, AcceptanceEstimate, float, int]] = []
         chosen: dict[int, str] = {}
         caps: dict[int, int] = {}  # of the sequences the maximisation decides (not probed)
@@ -719,7 +760,7 @@ class Controller:
                 decisions[i] = probe
                 self._mark(v.seq_id, probe.method, on=state.on)
                 est = self._estimate(state, probe.method)
-                fixed_tokens += est.p * probe.k
+                fixed_tokens += est.p * self.tokens(probe.method, probe.k)
                 fixed_expected += est.p * sum(est.alphas(probe.k))
                 _ask(fixed_methods, probe.method, probe.k)
                 continue
@@ -729,7 +770,8 @@ class Controller:
             if self._cheap(method):
                 cheap.append((i, method, est, scale, cap))
             else:
-                candidates.extend((a * scale, est.p, i, method) for a in est.alphas(cap))
+                candidates.extend((a * scale, est.p, i, method, self._level(method, j))
+                                  for j, a in enumerate(est.alphas(cap)))
 
         def goodput(gained: float, tokens: float, methods: dict[str, int]) -> float:
             # Over what is fixed when it is called (the cheap asks are fixed before the rest).
@@ -743,12 +785,13 @@ class Controller:
         # once the drafts (or their absence) are known. Whether they pay is judged over every
         # cheap sequence together: on a step-shaped T a full batch pads a single draft to a
         # whole step of rows, which no sequence's drafts pay for alone but a batch's do.
-        asked = self._best_prefix([(a * scale, 1.0, i, method) for i, method, est, scale, cap in cheap
-                                   for a in est.alphas(cap)], goodput, longest=True)
+        asked = self._best_prefix([(a * scale, 1.0, i, method, self._level(method, j))
+                                   for i, method, est, scale, cap in cheap for j, a in enumerate(est.alphas(cap))],
+                                  goodput, longest=True)
         generous = {i: cap for i, _, _, _, cap in cheap if asked[i]}
         for i, method, est, _, cap in cheap:
             if i in generous:
-                fixed_tokens += est.p * cap
+                fixed_tokens += est.p * self.tokens(method, cap)
                 fixed_expected += est.p * sum(est.alphas(cap))
                 _ask(fixed_methods, method, cap)
 

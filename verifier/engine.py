@@ -9,6 +9,8 @@ Each step (one verifier forward pass):
      sequence, `[last, d1..dk]` for a running one;
   4. accept (greedy match or rejection sampling), emit accepted + 1 tokens per sequence,
      roll the KV cache back past the rejected drafts, stream the text out;
+     a greedy sequence's drafts may be a token tree (`verifier.token_tree`): the pass
+     verifies every branch, the longest matching path is accepted and its K/V kept;
   5. tell the controller what was accepted, how long the pass and the proposers took, and
      the observer (metrics, `verifier.observer`) the same; traced requests get spans
      (`verifier.tracing`).
@@ -43,6 +45,7 @@ from verifier.rejection_sampler import greedy_accept, rejection_sample
 from verifier.sampling import logits_to_probs
 from verifier.sampling_params import SamplingParams
 from verifier.sequence import FinishReason, RequestOutput, Sequence, SequenceStats
+from verifier.token_tree import first_chain, greedy_accept_tree, tree_depths, tree_prefix
 from verifier import tracing
 
 logger = logging.getLogger(__name__)
@@ -123,9 +126,29 @@ class _Work:
     #: This round's span and its proposer call's, when the request is traced (`verifier.tracing`).
     span: object = None
     rpc_span: object = None
+    #: int32 [k]: the drafts form a token tree with these parents (`verifier.token_tree`);
+    #: None: a chain. Only greedy sequences verify trees.
+    draft_parents: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.span = tracing.start_round(self.seq.span, prefill=not self.seq.output_token_ids)
+
+    @property
+    def depth(self) -> int:
+        """Draft positions: k for a chain, the deepest draft's depth for a tree."""
+        return int(self.draft_token_ids.size) if self.draft_parents is None else len(self.levels)
+
+    @property
+    def levels(self) -> list[int] | None:
+        """A tree's drafts at depths 1, 2, ...; None for a chain."""
+        if self.draft_parents is None:
+            return None
+        return np.bincount(tree_depths(self.draft_parents.tolist())).tolist()
+
+
+def _chain_of(drafts: np.ndarray, parents: np.ndarray | None) -> np.ndarray:
+    """The drafts' first-child chain (`verifier.token_tree.first_chain`); a chain as it is."""
+    return drafts if parents is None else drafts[first_chain(parents.tolist())]
 
 
 def _draft_probs(probs, num_drafts: int, vocab: int) -> np.ndarray | None:
@@ -533,17 +556,21 @@ class Engine:
     def _trim(self, works: list[_Work], num_prefill_tokens: int, num_prefill_seqs: int) -> None:
         """Let the controller cut the drafts received to what pays now that it knows which
         sequences have any, then append the kept drafts to the pass's inputs."""
-        ks = self.controller.trim([(w.seq.request_id, w.method, int(w.draft_token_ids.size), w.reason)
-                                   for w in works], num_prefill_tokens, num_prefill_seqs)
+        ks = self.controller.trim([(w.seq.request_id, w.method, w.depth, w.reason) for w in works],
+                                  num_prefill_tokens, num_prefill_seqs, [w.levels for w in works])
         for work, k in zip(works, ks):
-            n = work.draft_token_ids.size
-            if k < n:
+            if k < work.depth:
                 if k == 0:
                     work.reason = "low_acceptance"
-                    self._keep_as_shadow(work.seq, work.method, work.draft_token_ids)
-                work.draft_token_ids = work.draft_token_ids[:k]
+                    self._keep_as_shadow(work.seq, work.method, _chain_of(work.draft_token_ids, work.draft_parents))
+                if work.draft_parents is not None:  # the nodes at depth <= k: a prefix
+                    n = tree_prefix(work.draft_parents.tolist(), k, work.draft_token_ids.size)
+                    work.draft_parents = work.draft_parents[:n] if n else None
+                else:
+                    n = k
+                work.draft_token_ids = work.draft_token_ids[:n]
                 if work.draft_probs is not None:
-                    work.draft_probs = work.draft_probs[:k] if k else None
+                    work.draft_probs = work.draft_probs[:n] if n else None
             work.input_token_ids.extend(work.draft_token_ids.tolist())
 
     def _keep_as_shadow(self, seq: Sequence, method: str, drafts: np.ndarray) -> None:
@@ -581,11 +608,12 @@ class Engine:
     def _take_shadows(self, method: str, reqs, proposals: list[Proposal]) -> None:
         """Keep each shadow draft on its sequence; the tokens it emits next resolve it."""
         for (seq, request), proposal in zip(reqs, proposals):
-            drafts, why = self._received(seq, method, request, proposal)
+            drafts, parents, why = self._received(seq, method, request, proposal)
             if why == "no_draft":  # the share p of asks with drafts learns from it
                 self.controller.observe_round(seq.request_id, method, 0, 0)
             if drafts is None:
                 continue
+            drafts = _chain_of(drafts, parents)
             seq.shadow_method, seq.shadow_token_ids, seq.shadow_matched = method, drafts.tolist(), 0
             self.stats.num_shadow_drafts += 1
 
@@ -642,29 +670,50 @@ class Engine:
         return max(k, 0)
 
     def _received(self, seq: Sequence, method: str, request: ProposalRequest,
-                  proposal: Proposal) -> tuple[np.ndarray | None, str]:
-        """A proposal's drafts for `seq` (at most `request.k`), with the delta-sync state
-        updated; (None, why) when there are none: `resync` (the proposer lost the
-        sequence), `proposer_failed` (token ids outside the vocabulary) or `no_draft`."""
+                  proposal: Proposal) -> tuple[np.ndarray | None, np.ndarray | None, str]:
+        """A proposal's drafts for `seq` (at most `request.k` positions) and their tree
+        parents (None: a chain), with the delta-sync state updated; (None, None, why) when
+        there are none: `resync` (the proposer lost the sequence), `proposer_failed`
+        (token ids outside the vocabulary, a malformed tree) or `no_draft`.
+
+        A tree for a sampled sequence becomes its first-child chain (rejection sampling
+        checks chains). A tree keeps its nodes up to depth k and as many as the cache
+        slot has room for (breadth first, so a prefix)."""
         if proposal.resync:
             seq.synced_len[method] = 0
             self.stats.num_resyncs += 1
-            return None, "resync"
+            return None, None, "resync"
         seq.synced_len[method] = request.base_len + len(request.append_token_ids)
-        drafts = np.asarray(proposal.draft_token_ids, dtype=np.int32)[: request.k]
+        drafts = np.asarray(proposal.draft_token_ids, dtype=np.int32)
+        parents = proposal.draft_parents
+        if parents is not None:
+            parents = np.asarray(parents, dtype=np.int32)
+            try:
+                if parents.shape != drafts.shape:
+                    raise ValueError(f"{parents.size} parents for {drafts.size} drafts")
+                n = tree_prefix(parents.tolist(), request.k, self.cache.max_len - self.cache.lens[seq.slot] - 1)
+            except ValueError as exc:
+                logger.warning("proposer %s returned a malformed token tree (%s); ignoring the draft", method, exc)
+                return None, None, "proposer_failed"
+            drafts, parents = drafts[:n], parents[:n]
+            if not seq.params.greedy:
+                drafts, parents = _chain_of(drafts, parents), None
+        else:
+            drafts = drafts[: request.k]
         vocab = self.model.config.vocab_size
         if drafts.size and (drafts.min() < 0 or drafts.max() >= vocab):
             logger.warning("proposer returned token ids outside [0, %d); ignoring the draft", vocab)
-            return None, "proposer_failed"
-        return (drafts, "") if drafts.size else (None, "no_draft")
+            return None, None, "proposer_failed"
+        return (drafts, parents, "") if drafts.size else (None, None, "no_draft")
 
     def _take_proposal(self, work: _Work, request: ProposalRequest, proposal: Proposal) -> None:
-        drafts, why = self._received(work.seq, work.method, request, proposal)
+        drafts, parents, why = self._received(work.seq, work.method, request, proposal)
         if drafts is None:
             work.reason = why
             return
         work.draft_token_ids = drafts
-        if proposal.draft_probs is not None:
+        work.draft_parents = parents
+        if proposal.draft_probs is not None and proposal.draft_parents is None:  # a tree's: one-hot q
             work.draft_probs = _draft_probs(proposal.draft_probs, drafts.size, self.model.config.vocab_size)
 
     def _execute(self, works: list[_Work]) -> float:
@@ -682,14 +731,29 @@ class Engine:
                                  dtype=torch.int64)
         # Every input's hidden state when a proposer reads them; the kept ones are stored below.
         hidden_index = torch.arange(sum(num_tokens)) if self._hidden_methods else None
+        trees = None
+        if any(w.draft_parents is not None for w in works):  # root (the last token) + the drafts
+            trees = [None if w.draft_parents is None else
+                     (self.cache.lens[w.seq.slot], [-1] + (w.draft_parents + 1).tolist()) for w in works]
         out = self.model.forward(token_ids, [w.seq.slot for w in works], num_tokens, self.cache,
-                                 torch.tensor(index, dtype=torch.int64), hidden_index=hidden_index)
+                                 torch.tensor(index, dtype=torch.int64), hidden_index=hidden_index, trees=trees)
         logits, hidden = out if hidden_index is not None else (out, None)  # logits: [R, V] float32
         argmax = logits.argmax(dim=-1).tolist()
         row = first = 0
         for w in works:
             k = w.draft_token_ids.size
             p = w.seq.params
+            if w.draft_parents is not None:  # a token tree: keep the accepted path's K/V and hidden states
+                path, emitted = greedy_accept_tree(argmax[row : row + k + 1], w.draft_token_ids, w.draft_parents)
+                w.num_accepted, w.emitted = len(path), [int(t) for t in emitted]
+                slot = w.seq.slot
+                root = self.cache.lens[slot] - k - 1
+                self.cache.keep(slot, root + 1, [root + 1 + i for i in path])
+                if hidden is not None:
+                    w.seq.add_hidden(hidden[torch.tensor([first] + [first + 1 + i for i in path])])
+                    first += k + 1
+                row += k + 1
+                continue
             if p.greedy:
                 w.num_accepted, emitted = greedy_accept(argmax[row : row + k + 1], w.draft_token_ids)
             else:
@@ -724,8 +788,8 @@ class Engine:
                 seq.stats.rounds_by_method[work.method] = seq.stats.rounds_by_method.get(work.method, 0) + 1
             else:
                 seq.stats.rounds_off[work.reason] = seq.stats.rounds_off.get(work.reason, 0) + 1
-            if k or work.reason == "no_draft":
-                self.controller.observe_round(seq.request_id, work.method, k, work.num_accepted)
+            if k or work.reason == "no_draft":  # a tree counts as a chain of its depth
+                self.controller.observe_round(seq.request_id, work.method, work.depth, work.num_accepted)
         new_tokens: list[int] = []
         finish: FinishReason | None = None
         text = []

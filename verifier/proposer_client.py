@@ -124,5 +124,6 @@ def _to_proposals(requests: Sequence[ProposalRequest], response: proposer_pb2.Pr
             ids = np.fromiter(d.draft_probs_token_ids, np.int64, len(d.draft_probs_token_ids)).reshape(drafts.size, -1)
             probs = np.zeros((drafts.size, d.vocab_size), np.float32)
             np.put_along_axis(probs, ids, np.frombuffer(d.draft_probs_values, dtype="<f4").reshape(ids.shape), axis=-1)
-        proposals.append(Proposal(r.seq_id, drafts, probs, d.resync))
+        parents = np.fromiter(d.draft_parents, np.int32, len(d.draft_parents)) if d.draft_parents else None
+        proposals.append(Proposal(r.seq_id, drafts, probs, d.resync, parents))
     return proposals

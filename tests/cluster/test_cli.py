@@ -47,6 +47,18 @@ def test_generate_speculation_off_gives_the_same_tokens(ngram_json):
     assert off["stats"]["drafted"] == 0 and off["stats"]["mean_acceptance_length"] == 1.0
 
 
+def test_generate_with_eagle_trees_gives_the_same_tokens(ngram_json):
+    proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40", "--speculation", "eagle",
+                     "--k", "3", "--tree", "3,2,1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == ngram_json["token_ids"] and out["tree"] == [3, 2, 1]
+    # Depth 3 of a (3, 2, 1) tree: 3 + 6 + 6 drafts a round, at most 3 of them accepted.
+    stats = out["stats"]
+    assert stats["drafted"] <= 15 * stats["rounds_with_drafts"] and stats["accepted"] <= 3 * stats["rounds_with_drafts"]
+    assert stats["drafted"] > 3 * stats["rounds_with_drafts"] and stats["mean_acceptance_length"] > 1.0
+
+
 def test_generate_streams_text_then_a_summary(ngram_json):
     proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40")
     assert proc.returncode == 0, proc.stderr
@@ -62,6 +74,8 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--temperature", "-1"], "temperature"),
         (["--prompt", ""], "prompt"),
         (["--prompt", "hi", "--k", "-2"], "k"),
+        (["--prompt", "hi", "--tree", "3,2"], "tree"),  # n-gram: no trees
+        (["--prompt", "hi", "--speculation", "eagle", "--tree", "3,0"], "tree"),
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field):

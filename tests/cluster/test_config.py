@@ -60,6 +60,8 @@ def test_a_bare_policy_off_is_the_off_policy(tmp_path):
         ("proposers: [{method: ngram, autoscaling: {min_replicas: 3, max_replicas: 2}}]",
          "proposers.0.autoscaling", "min_replicas (3) must be <= max_replicas (2)"),
         ("proposers: [{method: ngram}, {method: ngram}]", "(top level)", "each method may appear once"),
+        ("proposers: [{method: eagle, options: {tree: [3, 0]}}]", "proposers.0.options", "widths >= 1"),
+        ("proposers: [{method: ngram, options: {tree: [2]}}]", "proposers.0", "EAGLE heads only"),
         ("model: {dtype: float16}", "model.dtype", "'float16'"),
         ("controller: {k: 40}", "controller.k", "less than or equal to 16"),
         ("controller: {policy: adaptive}", "controller.policy", "'adaptive'"),

@@ -279,6 +279,71 @@ def test_engine_with_eagle_is_exact(tiny_eagle, model, tokenizer, vocab, exactne
     assert sum(r.stats.drafted for r in results) > 0 and engine.stats.num_resyncs == 0
 
 
+@pytest.mark.slow
+def test_a_tree_holds_each_nodes_top_candidates_and_the_chain(tiny_eagle, model, tokenizer, vocab):
+    """With `tree` (3, 2) at k = 3 the proposer drafts 3 + 6 + 6 nodes breadth first; every
+    node's children are the top candidates of the head recomputed from scratch over the
+    context and that node's path (its own f^ fed back), in order; the first-child chain is
+    what a chain request drafts; a sampled request gets a chain."""
+    net, vocab_ids = _reference_net(model, tiny_eagle[0])
+    context = load_prompts("chat", tokenizer)[2]
+    feats = _features(model, context)[:-1]
+    tree = EagleProposer(load_eagle(tiny_eagle[0], model, vocab), vocab, DraftModelConfig(max_k=4, tree=(3, 2)))
+    (p,) = tree.propose_sync([ProposalRequest("s", 0, np.asarray(context, np.int32), 3, 0.0, feats)])
+    assert p.draft_parents.tolist() == [-1, -1, -1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7, 8]
+    drafts = p.draft_token_ids.tolist()
+
+    @torch.no_grad()
+    def top(path: list[int], w: int) -> tuple[list[int], torch.Tensor]:
+        ids = list(context) + [drafts[i] for i in path]
+        out = _recompute(net, ids, [f for f in feats.float()] + [outs[i] for i in ([-1] + path)[: len(path)]])[-1]
+        return [int(vocab_ids[c]) for c in torch.topk(out @ net.head.t(), w).indices], out
+
+    outs: dict[int, torch.Tensor] = {}
+    paths = {-1: []}
+    for i, parent in enumerate(p.draft_parents.tolist()):
+        paths[i] = paths[parent] + [i]
+    for node, w in [(-1, 3), (0, 2), (1, 2), (2, 2)] + [(i, 1) for i in range(3, 9)]:
+        want, outs[node] = top(paths[node], w)
+        assert [drafts[i] for i, q in enumerate(p.draft_parents) if q == node] == want, f"children of {node}"
+
+    chain = EagleProposer(load_eagle(tiny_eagle[0], model, vocab), vocab, DraftModelConfig(max_k=4))
+    (c,) = chain.propose_sync([ProposalRequest("s", 0, np.asarray(context, np.int32), 3, 0.0, feats)])
+    assert c.draft_parents is None and c.draft_token_ids.tolist() == [drafts[0], drafts[3], drafts[9]]
+    (q,) = tree.propose_sync([ProposalRequest("t", 0, np.asarray(context, np.int32), 3, 0.8, feats)])
+    assert q.draft_parents is None and q.draft_token_ids.size == 3 and q.draft_probs.shape[0] == 3
+
+
+def test_trees_are_for_eagle_heads_only(model, vocab):
+    from proposers.draft_model import DraftModelProposer
+
+    with pytest.raises(ValueError, match="drafted by EAGLE heads only"):
+        DraftModelProposer(model, vocab, DraftModelConfig(max_num_seqs=1, max_model_len=8, tree=(2,)))
+    with pytest.raises(ValueError, match="each >= 1"):
+        DraftModelConfig(tree=(2, 0))
+
+
+@pytest.mark.slow
+def test_engine_with_eagle_trees_is_exact_and_accepts_more(model, tokenizer, vocab, exactness_prompts):
+    """The committed head drafting (3, 2, 1) trees, verified by the engine: greedy output
+    identical to plain decoding, and more drafts accepted than with its chains (a tree holds
+    the chain: its first children)."""
+    prompts = exactness_prompts[2::4]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    off = Engine(model, tokenizer, EngineConfig(max_num_seqs=5, max_model_len=1024), None, Controller.off())
+    want = [r.token_ids for r in off.generate_sync(prompts, params)]
+    accepted = {}
+    for tree in (None, (3, 2, 1)):
+        eagle = EagleProposer(load_eagle(BUNDLED_EAGLE_DIR, model, vocab), vocab,
+                              DraftModelConfig(max_num_seqs=5, tree=tree))
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=5, max_model_len=1024), {"eagle": eagle},
+                        Controller.static(3, ("eagle",)))
+        results = engine.generate_sync(prompts, params)
+        assert [r.token_ids for r in results] == want, f"{tree=}"
+        accepted[tree] = sum(r.stats.accepted for r in results) / sum(r.stats.rounds_with_drafts for r in results)
+    assert accepted[(3, 2, 1)] > accepted[None] > 0
+
+
 def _engine_run(model, tokenizer, source, prompts, params):
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=1024), {"eagle": source},
                     Controller.static(4, ("eagle",)))

@@ -51,6 +51,38 @@ def test_info_and_a_round_trip():
     asyncio.run(run())
 
 
+class _TreeSource:
+    """Answers every request with the same small tree (and a chain for seq_id "chain")."""
+
+    method = "eagle"
+
+    async def propose(self, requests):
+        from protos.proposal import Proposal
+
+        return [Proposal(r.seq_id, np.array([7, 8, 9], np.int32),
+                         draft_parents=None if r.seq_id == "chain" else np.array([-1, -1, 1], np.int32))
+                for r in requests]
+
+    def release(self, seq_ids):
+        pass
+
+
+def test_a_token_tree_crosses_the_wire():
+    async def run():
+        server, port = await start_server(ProposerServicer(_TreeSource(), max_k=8))
+        client = GrpcProposalSource(f"127.0.0.1:{port}", method="eagle")
+        try:
+            tree, chain = await client.propose([ProposalRequest("tree", 0, np.array([5, 6], np.int32), k=2),
+                                                ProposalRequest("chain", 0, np.array([5, 6], np.int32), k=2)])
+            assert tree.draft_token_ids.tolist() == [7, 8, 9] and tree.draft_parents.tolist() == [-1, -1, 1]
+            assert chain.draft_token_ids.tolist() == [7, 8, 9] and chain.draft_parents is None
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    asyncio.run(run())
+
+
 class _RefusesSeq:
     """An n-gram proposer that rejects one seq_id's deltas as malformed (ValueError)."""
 

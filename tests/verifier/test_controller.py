@@ -383,6 +383,20 @@ def test_trim_keeps_the_drafts_that_pay_once_they_are_known():
     assert c.trim(rounds) == [3, 5, 4, 0]
 
 
+def test_trim_prices_a_tree_depth_by_its_nodes():
+    # T(n) = 20 + 0.5 n ms; one sequence with c = [0.8, 0.5, 0.5]: alpha = 0.8, 0.4, 0.2.
+    # A tree with 3, 6 and 6 drafts at depths 1-3 (a (3, 2, 1) tree), priced by its nodes:
+    #   depth 0: 1 / T(1) = 1 / 20.5 = 0.0488;  depth 1: 1.8 / T(4) = 1.8 / 22 = 0.0818;
+    #   depth 2: 2.2 / T(10) = 2.2 / 25 = 0.0880;  depth 3: 2.4 / T(16) = 2.4 / 28 = 0.0857.
+    # So 2 depths. The same acceptance as a chain keeps all 3: 2.4 / T(4) = 0.109 is best.
+    c = _controller()
+    c._state("s").by_method["ngram"] = AcceptanceEstimate([0.8, 0.5, 0.5])
+    assert c.trim([("s", "ngram", 3, "goodput")], levels=[[3, 6, 6]]) == [2]
+    assert c.tokens("ngram", 3) == 15 and c.tokens("ngram", 5) == 27  # the deepest level repeats
+    assert c.trim([("s", "ngram", 3, "goodput")], levels=[None]) == [3]
+    assert c.tokens("ngram", 3) == 15  # a chain round keeps the method's last tree
+
+
 # ---------------------------------------------------------------------- shadow drafts
 def test_off_greedy_sequence_shadow_drafts_and_comes_back_without_probes():
     # c = [0.02, 0.6, ...] and off: with the hysteresis (x 0.8) S_k <= 0.8 * 0.05 = 0.04 and

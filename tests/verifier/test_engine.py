@@ -242,6 +242,73 @@ def test_controller_flipping_method_and_k_every_round_stays_exact(model, tokeniz
     assert sum(r.stats.rounds_by_method.get("random", 0) for r in results) > 0
 
 
+class _OracleTreeProposer:
+    """Knows each prompt's greedy output and drafts a token tree whose accepted path is
+    never the first-child chain: the root's children are [wrong, true 1, wrong], true 1's
+    [wrong, true 2], true 2's [true 3]. `malformed` lists a child before its parent."""
+
+    method = "oracle"
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]], vocab_size: int, malformed: bool = False):
+        self.outputs, self.vocab_size, self.malformed = outputs, vocab_size, malformed
+        self.context: dict[str, list[int]] = {}
+
+    def _wrong(self, token: int, i: int) -> int:
+        return (token + 1000 + i) % self.vocab_size
+
+    async def propose(self, requests):
+        out = []
+        for r in requests:
+            ctx = self.context.setdefault(r.seq_id, [])
+            del ctx[r.base_len:]
+            ctx.extend(np.asarray(r.append_token_ids).tolist())
+            prompt = next(p for p in self.outputs if tuple(ctx[: len(p)]) == p)
+            ahead = self.outputs[prompt][len(ctx) - len(prompt):][: min(r.k, 3)]
+            if len(ahead) < 3:
+                out.append(Proposal(r.seq_id, np.zeros(0, np.int32)))
+                continue
+            t1, t2, t3 = ahead
+            tokens = [self._wrong(t1, 0), t1, self._wrong(t1, 1), self._wrong(t2, 2), t2, t3]
+            parents = [-1, -1, -1, 1, 1, 4] if not self.malformed else [-1, 4, -1, 1, 1, 4]
+            out.append(Proposal(r.seq_id, np.asarray(tokens, np.int32), draft_parents=np.asarray(parents, np.int32)))
+        return out
+
+    def release(self, seq_ids):
+        for seq_id in seq_ids:
+            self.context.pop(seq_id, None)
+
+
+def test_token_trees_accept_off_chain_paths_exactly(model, tokenizer, code_prompt, chat_prompt, plain):
+    """Each round's tree holds the target's next three tokens on a path that leaves the
+    first-child chain at once; every full round accepts all three (their K/V moved from
+    tree indices 1, 4, 5 into place), and the output is plain decoding's. A malformed
+    tree is refused (no drafts, still exact); a sampled request verifies the first-child
+    chain only."""
+    prompts = [code_prompt, chat_prompt]
+    expected = [r.token_ids for r in plain.generate_sync(prompts, GREEDY)]
+    outputs = {tuple(p): e for p, e in zip(prompts, expected)}
+    source = _OracleTreeProposer(outputs, model.config.vocab_size)
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), {"oracle": source},
+                    Controller.static(3, ("oracle",)))
+    results = engine.generate_sync(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected
+    for r in results:
+        assert r.stats.rounds_with_drafts >= 2 and r.stats.drafted == 6 * r.stats.rounds_with_drafts
+        assert r.stats.accepted == 3 * r.stats.rounds_with_drafts  # every tree round: all 3 depths
+
+    bad = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512),
+                 {"oracle": _OracleTreeProposer(outputs, model.config.vocab_size, malformed=True)},
+                 Controller.static(3, ("oracle",)))
+    results = bad.generate_sync(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.stats.drafted == 0 and r.stats.rounds_off.get("proposer_failed", 0) > 0 for r in results)
+
+    sampled = SamplingParams(max_tokens=24, temperature=0.7, seed=5)
+    r = _first(engine, code_prompt, sampled)
+    assert r.stats.rounds_with_drafts == 0 or r.stats.drafted <= 3 * r.stats.rounds_with_drafts
+    assert len(r.token_ids) > 0
+
+
 class _ShadowOnlyController(Controller):
     """Never verifies a draft; asks n-gram for a shadow draft of 4 every round (the engine
     asks only when none is pending) and records what the engine reports back."""
@@ -314,7 +381,7 @@ class _CutEverythingController(_ShadowOnlyController):
     def plan(self, seqs, available=None, num_prefill_tokens=0, num_prefill_seqs=0):
         return [Decision("ngram", 4, "goodput") for _ in seqs]
 
-    def trim(self, rounds, num_prefill_tokens=0, num_prefill_seqs=0):
+    def trim(self, rounds, num_prefill_tokens=0, num_prefill_seqs=0, levels=None):
         return [0] * len(rounds)
 
 

@@ -315,6 +315,90 @@ def test_decode_steps_match_one_padded_pass(model, prompts, n, rows):
     assert torch.equal(one_pass.argmax(-1), steps.argmax(-1))
 
 
+# --- token trees ---------------------------------------------------------------------------
+
+# A tree over code[40:]: root r = code[40]; children a = code[41], b = code[50]; a's
+# children c = code[42], d = code[45]; b's child e = code[43]. Node order is parents first.
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2]
+TREE_PATHS = {"r-a-c": [0, 1, 3], "r-a-d": [0, 1, 4], "r-b-e": [0, 2, 5]}
+
+
+def tree_tokens(code: list[int]) -> list[int]:
+    return [code[40], code[41], code[50], code[42], code[45], code[43]]
+
+
+def chain_logits(model, prefix: list[int], chain: list[int]) -> torch.Tensor:
+    """Logits of `chain` run alone after `prefix`: the reference each tree path must match."""
+    cache = model.new_cache(num_slots=1, max_len=64)
+    slot = cache.allocate()
+    model.forward(ids_tensor(prefix), [slot], [len(prefix)], cache)
+    return model.forward(ids_tensor(chain), [slot], [len(chain)], cache)
+
+
+def test_a_tree_pass_computes_each_path_as_its_own_chain(model, prompts):
+    """One pass over a 6-node tree (beside a plain 2-token round of another sequence) gives
+    every node the logits that its root-to-node path gets run alone as a chain; the same
+    tree fed in two passes (root and depth 1, then depth 2, as an EAGLE head drafts) too."""
+    code, chat = prompts["code"], prompts["chat"]
+    prefix, nodes = code[:40], tree_tokens(code)
+    refs = {name: chain_logits(model, prefix, [nodes[i] for i in path]) for name, path in TREE_PATHS.items()}
+    other_ref = chain_logits(model, chat[:30], chat[30:32])
+
+    cache = model.new_cache(num_slots=2, max_len=64)
+    s_tree, s_other = cache.allocate(), cache.allocate()
+    model.forward(ids_tensor(prefix), [s_tree], [len(prefix)], cache)
+    model.forward(ids_tensor(chat[:30]), [s_other], [30], cache)
+    out = model.forward(ids_tensor(nodes + chat[30:32]), [s_tree, s_other], [6, 2], cache,
+                        trees=[(40, TREE_PARENTS), None])
+    assert cache.lens == [46, 32]
+    for name, path in TREE_PATHS.items():
+        err = max_abs(out[path], refs[name])
+        assert err < BATCH_ATOL, f"{name}: {err=}"
+    assert max_abs(out[6:], other_ref) < BATCH_ATOL
+
+    cache = model.new_cache(num_slots=1, max_len=64)
+    slot = cache.allocate()
+    model.forward(ids_tensor(prefix), [slot], [40], cache)
+    first = model.forward(ids_tensor(nodes[:3]), [slot], [3], cache, trees=[(40, TREE_PARENTS[:3])])
+    second = model.forward(ids_tensor(nodes[3:]), [slot], [3], cache, trees=[(40, TREE_PARENTS)])
+    both = torch.cat([first, second])
+    for name, path in TREE_PATHS.items():
+        err = max_abs(both[path], refs[name])
+        assert err < BATCH_ATOL, f"two passes, {name}: {err=}"
+
+
+def test_keeping_a_tree_path_leaves_the_cache_of_that_chain(model, prompts):
+    """After a tree pass, `KVCache.keep` of the path r-a-d moves its K/V into positions
+    40..42; the next decode step then equals the one after prefix + r, a, d run as a chain."""
+    code = prompts["code"]
+    prefix, nodes = code[:40], tree_tokens(code)
+    cache = model.new_cache(num_slots=1, max_len=64)
+    slot = cache.allocate()
+    model.forward(ids_tensor(prefix), [slot], [40], cache)
+    model.forward(ids_tensor(nodes), [slot], [6], cache, trees=[(40, TREE_PARENTS)])
+    cache.keep(slot, 40, [40 + i for i in TREE_PATHS["r-a-d"]])
+    assert cache.lens[slot] == 43
+    after_tree = model.forward(ids_tensor([code[60]]), [slot], [1], cache)
+
+    ref = model.new_cache(num_slots=1, max_len=64)
+    r = ref.allocate()
+    model.forward(ids_tensor(prefix + [nodes[i] for i in TREE_PATHS["r-a-d"]]), [r], [43], ref)
+    plain = model.forward(ids_tensor([code[60]]), [r], [1], ref)
+    assert max_abs(after_tree, plain) < BATCH_ATOL
+    assert torch.allclose(cache.k[:, slot, :, :44], ref.k[:, r, :, :44], atol=1e-3, rtol=1e-4)
+
+
+def test_a_tree_must_list_parents_first(model, prompts):
+    code = prompts["code"]
+    cache = model.new_cache(num_slots=1, max_len=64)
+    slot = cache.allocate()
+    model.forward(ids_tensor(code[:40]), [slot], [40], cache)
+    with pytest.raises(ValueError, match=r"parents\[1\] is 2"):
+        model.forward(ids_tensor(code[40:43]), [slot], [3], cache, trees=[(40, [-1, 2, 0])])
+    with pytest.raises(ValueError, match="needs parents for indices 40..42, got 2"):
+        model.forward(ids_tensor(code[40:43]), [slot], [3], cache, trees=[(40, [-1, 0])])
+
+
 def test_gemm_rows_pads_to_the_fast_sizes():
     # By hand from the rule: 1 stays, 2-4 -> 4, 5-8 -> 8, 9-16 -> 16, then multiples of 8.
     assert [gemm_rows(n) for n in (1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 24, 25, 113)] == [

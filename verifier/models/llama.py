@@ -12,6 +12,13 @@ batched product over their slot range, each query masked to its own causal prefi
 batched product over a copy of their own slots' caches (`_SpanGroup.gathered`); prefills
 and any other span one sequence at a time.
 
+Token trees (`trees`): a sequence's new tokens may be nodes of a draft tree instead of a
+chain. Each node sits at its own cache index (the next free ones, in the order given) but
+takes the RoPE position of its depth, and attends the context before the tree and its own
+ancestors only, so every root-to-leaf path computes exactly what that path alone would as
+a chain (`verifier.token_tree`). The verifier checks several candidates per
+position in one pass this way; `KVCache.keep` then moves the accepted path's K/V into place.
+
 Weights are kept in HF layout (q/k rows ordered for `rotate_half` RoPE), fused as
 `wqkv` [(H + 2 Hkv) D, hidden] and `w_gate_up` [2 I, hidden] to halve the number of
 matmuls per layer.
@@ -20,12 +27,14 @@ matmuls per layer.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from verifier.kv_cache import KVCache
 from verifier.models.config import ModelConfig, rope_attention_scaling, rope_inv_freq
+from verifier.token_tree import tree_ancestors, tree_depths
 
 
 @dataclasses.dataclass
@@ -51,6 +60,7 @@ class _SeqSpan:
     # attends on its own, S > 1 and not causal (None otherwise)
     causal: bool
     grouped: bool = False  # its attention runs in the pass's `_SpanGroup`
+    tree: bool = False  # its tokens are tree nodes: attends on its own with `blocked` (never grouped)
 
 
 @dataclasses.dataclass
@@ -86,6 +96,7 @@ class _SpanGroup:
         tokens fill at least `GROUP_MIN_FILL` of the range's W query rows per slot (every
         slot of the range, idle or not, costs W rows of attention). None when no width
         qualifies."""
+        spans = [s for s in spans if not s.tree]
         widths = sorted({s.num_tokens for s in spans if s.num_tokens <= GROUP_MAX_WIDTH}, reverse=True)
         for width in widths:
             members = [s for s in spans if s.num_tokens <= width]
@@ -102,7 +113,7 @@ class _SpanGroup:
         """Group the short spans that `of` left out (the verification rounds wider than the
         range group's width) over their own slots, gathered: at least `GATHER_MIN` of them,
         W their widest. None when there are fewer."""
-        members = [s for s in spans if not s.grouped and s.num_tokens <= GROUP_MAX_WIDTH]
+        members = [s for s in spans if not s.grouped and not s.tree and s.num_tokens <= GROUP_MAX_WIDTH]
         if len(members) < GATHER_MIN:
             return None
         slots = [s.slot for s in members]
@@ -338,6 +349,7 @@ class LlamaModel:
         logits_index: torch.Tensor | None = None,
         hidden_index: torch.Tensor | None = None,
         input_embeds: torch.Tensor | None = None,
+        trees: Sequence[tuple[int, Sequence[int]] | None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one pass and append the new tokens' K/V to each sequence's slot.
 
@@ -352,28 +364,50 @@ class LlamaModel:
         its fused token-and-feature rows; `token_ids` then only gives T).
         A layer whose `input_norm` is None and a model whose `final_norm` is None skip that
         norm (EAGLE-1 heads have neither).
+        trees: per sequence None (a chain: causal, positions in cache order) or
+        (tree_start, parents): the slot's cache entries from index tree_start up to the end
+        of this pass are the nodes of a token tree, `parents[i]` the parent of the node at
+        tree_start + i (-1: it continues the context before tree_start). A node takes
+        position tree_start + its depth and attends keys before tree_start and its own
+        ancestors; it is stored at the next free cache index as usual. Nodes before this
+        pass's (cache.lens[slot] > tree_start) were stored by earlier passes.
         Example: two sequences verifying k = 2 and k = 0 → num_tokens [3, 1], T = 4.
         """
         c = self.config
         T = token_ids.shape[0]
         assert T == sum(num_tokens), f"{T=} {num_tokens=}"
         spans: list[_SeqSpan] = []
-        positions = torch.empty(T, dtype=torch.int64)
+        positions = torch.empty(T, dtype=torch.int64)  # RoPE positions
+        store = torch.empty(T, dtype=torch.int64)  # cache indices
         token_slots = torch.empty(T, dtype=torch.int64)
         offset = 0
-        for slot, n in zip(slots, num_tokens):
+        for i, (slot, n) in enumerate(zip(slots, num_tokens)):
             start = cache.lens[slot]
             end = start + n
             assert end <= cache.max_len, f"{slot=} needs {end} positions, cache holds {cache.max_len}"
-            positions[offset : offset + n] = torch.arange(start, end)
+            store[offset : offset + n] = torch.arange(start, end)
             token_slots[offset : offset + n] = slot
-            spans.append(_SeqSpan(slot, offset, n, end, None, n > 1 and start == 0))
+            tree = None if trees is None else trees[i]
+            if tree is None:
+                positions[offset : offset + n] = store[offset : offset + n]
+                spans.append(_SeqSpan(slot, offset, n, end, None, n > 1 and start == 0))
+            else:
+                tree_start, parents = tree
+                first = start - tree_start
+                if first < 0 or len(parents) != end - tree_start:
+                    raise ValueError(f"sequence {i}: a tree from cache index {tree_start} needs parents for "
+                                     f"indices {tree_start}..{end - 1}, got {len(parents)}")
+                depths = torch.tensor(tree_depths(parents)[first:], dtype=torch.int64)
+                positions[offset : offset + n] = tree_start + depths
+                blocked = torch.zeros(n, end, dtype=torch.bool)
+                blocked[:, tree_start:] = ~tree_ancestors(parents)[first:]
+                spans.append(_SeqSpan(slot, offset, n, end, blocked, False, tree=True))
             offset += n
 
         groups = [g for g in (_SpanGroup.of(spans, self.device), _SpanGroup.gathered(spans, self.device))
                   if g is not None]  # `gathered` takes what `of` left
         for s in spans:  # the spans attending one by one: a continuation's causal mask
-            if not s.grouped and s.num_tokens > 1 and not s.causal:
+            if not s.grouped and not s.tree and s.num_tokens > 1 and not s.causal:
                 # query j sits at position start + j and may attend keys 0 .. start + j
                 rows = positions[s.token_start : s.token_start + s.num_tokens]
                 s.blocked = torch.arange(s.kv_len).unsqueeze(0) > rows.unsqueeze(1)
@@ -385,7 +419,7 @@ class LlamaModel:
             input_embeds, rows)
         for li, layer in enumerate(self.layers):
             x = h if layer.input_norm is None else rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            h = h + self._attention(li, layer, x, spans, groups, positions, token_slots, cos, sin, cache)
+            h = h + self._attention(li, layer, x, spans, groups, store, token_slots, cos, sin, cache)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, layer.w_down)
@@ -409,14 +443,14 @@ class LlamaModel:
         x: torch.Tensor,
         spans: list[_SeqSpan],
         groups: list[_SpanGroup],
-        positions: torch.Tensor,
+        store: torch.Tensor,
         token_slots: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache,
     ) -> torch.Tensor:
         c = self.config
-        T = positions.shape[0]  # real tokens; x may carry padding rows after them
+        T = store.shape[0]  # real tokens; x may carry padding rows after them
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         qkv = linear(x, layer.wqkv, layer.bqkv)[:T]
         # RoPE on q and k heads together: [T, H + Hkv, D]
@@ -425,8 +459,8 @@ class LlamaModel:
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hkv) * D :]
         # Advanced indices on dims 0 and 2 → the indexed view is [T, Hkv, D].
-        cache.k[li][token_slots, :, positions] = k
-        cache.v[li][token_slots, :, positions] = v.reshape(T, Hkv, D)
+        cache.k[li][token_slots, :, store] = k
+        cache.v[li][token_slots, :, store] = v.reshape(T, Hkv, D)
         out = torch.zeros(x.shape[0], H, D, dtype=x.dtype)
         for group in groups:
             out[group.token_index] = _group_attention(q, cache.k[li], cache.v[li], group)

@@ -84,7 +84,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, round_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SequenceDraft(_message.Message):
-    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "vocab_size", "resync", "draft_probs_token_ids", "draft_probs_values")
+    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "vocab_size", "resync", "draft_probs_token_ids", "draft_probs_values", "draft_parents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class SequenceDraft(_message.Message):
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: bytes
@@ -99,7 +100,8 @@ class SequenceDraft(_message.Message):
     resync: bool
     draft_probs_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs_values: bytes
-    def __init__(self, seq_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., resync: _Optional[bool] = ..., draft_probs_token_ids: _Optional[_Iterable[int]] = ..., draft_probs_values: _Optional[bytes] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., resync: _Optional[bool] = ..., draft_probs_token_ids: _Optional[_Iterable[int]] = ..., draft_probs_values: _Optional[bytes] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("round_id", "sequences")
