@@ -34,9 +34,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _tree_arg(args: argparse.Namespace) -> tuple[int, ...] | None:
     """`--tree W,W,...` as widths; InvalidRequestError naming `tree` otherwise."""
+    from proposers.registry import DRAFTS_TREES
+
     if args.tree is None:
         return None
-    if args.speculation != "eagle":
+    if args.speculation not in DRAFTS_TREES:
         raise InvalidRequestError("tree", f"token trees are drafted by EAGLE heads only (speculation is "
                                           f"{args.speculation!r})")
     parts = args.tree.split(",")
@@ -65,9 +67,10 @@ def _generate(args: argparse.Namespace) -> int:
     ).validate()
     if args.k < 0:
         raise InvalidRequestError("k", f"must be >= 0, got {args.k}")
+    tree = _tree_arg(args)
     engine = build_local_engine(LocalEngineSpec(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
-        k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=_tree_arg(args),
+        k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree,
     ))
     tok = engine.tokenizer
     if args.chat:
@@ -99,7 +102,7 @@ def _generate(args: argparse.Namespace) -> int:
             "finish_reason": finish_reason,
             "speculation": args.speculation if args.k > 0 else "off",
             "k": args.k,
-            "tree": None if args.tree is None else list(_tree_arg(args)),
+            "tree": None if tree is None else list(tree),
             "dtype": args.dtype,
             "stats": summary,
         }))

@@ -104,7 +104,9 @@ class ProposerConfig(_Strict):
 
     @model_validator(mode="after")
     def _trees_are_eagles(self) -> "ProposerConfig":
-        if self.options.get("tree") is not None and self.method != "eagle":
+        from proposers.registry import DRAFTS_TREES
+
+        if self.options.get("tree") is not None and self.method not in DRAFTS_TREES:
             raise ValueError(f"options.tree: token trees are drafted by EAGLE heads only (method {self.method!r})")
         return self
 

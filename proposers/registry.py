@@ -83,6 +83,8 @@ def _eagle(options: dict[str, Any]) -> ProposalSource:
 PROPOSERS: dict[str, Callable[[dict[str, Any]], ProposalSource]] = {"ngram": _ngram, "draft": _draft, "eagle": _eagle}
 #: Methods whose proposers read the target's hidden states (sent in the proposer stream).
 NEEDS_HIDDEN_STATES = frozenset({"eagle"})
+#: Methods whose proposers draft token trees (option `tree`, `DraftModelConfig.tree`).
+DRAFTS_TREES = frozenset({"eagle"})
 
 
 def build_proposer(method: str, options: dict[str, Any] | None = None) -> ProposalSource:

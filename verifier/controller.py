@@ -542,10 +542,7 @@ class Controller:
         >>> _ = c.trim([("s", "eagle", 2, "static")], levels=[[3, 6]]); c.tokens("eagle", 3)
         15
         """
-        levels = self._levels.get(method) if method is not None else None
-        if not levels:
-            return k
-        return sum(self._level(method, j) for j in range(k))
+        return k if method is None else sum(self._level(method, j) for j in range(k))
 
     def _level(self, method: str, j: int) -> int:
         """Draft tokens at depth j + 1 of `method`'s rounds (1 for a chain)."""

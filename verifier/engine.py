@@ -743,30 +743,29 @@ class Engine:
         for w in works:
             k = w.draft_token_ids.size
             p = w.seq.params
-            if w.draft_parents is not None:  # a token tree: keep the accepted path's K/V and hidden states
-                path, emitted = greedy_accept_tree(argmax[row : row + k + 1], w.draft_token_ids, w.draft_parents)
-                w.num_accepted, w.emitted = len(path), [int(t) for t in emitted]
-                slot = w.seq.slot
-                root = self.cache.lens[slot] - k - 1
-                self.cache.keep(slot, root + 1, [root + 1 + i for i in path])
-                if hidden is not None:
-                    w.seq.add_hidden(hidden[torch.tensor([first] + [first + 1 + i for i in path])])
-                    first += k + 1
-                row += k + 1
-                continue
-            if p.greedy:
-                w.num_accepted, emitted = greedy_accept(argmax[row : row + k + 1], w.draft_token_ids)
+            if w.draft_parents is not None:  # a token tree: the drafts of the accepted path
+                accepted, emitted = greedy_accept_tree(argmax[row : row + k + 1], w.draft_token_ids, w.draft_parents)
             else:
-                probs = logits_to_probs(logits[row : row + k + 1], p.temperature, p.top_k, p.top_p)
-                q = None if w.draft_probs is None else torch.from_numpy(w.draft_probs)
-                w.num_accepted, emitted = rejection_sample(probs, w.draft_token_ids, q, w.seq.generator)
-            w.emitted = [int(t) for t in emitted]
-            # Keep the KV of the inputs that were right: the last token and the accepted drafts.
+                if p.greedy:
+                    num_accepted, emitted = greedy_accept(argmax[row : row + k + 1], w.draft_token_ids)
+                else:
+                    probs = logits_to_probs(logits[row : row + k + 1], p.temperature, p.top_k, p.top_p)
+                    q = None if w.draft_probs is None else torch.from_numpy(w.draft_probs)
+                    num_accepted, emitted = rejection_sample(probs, w.draft_token_ids, q, w.seq.generator)
+                accepted = list(range(num_accepted))
+            w.num_accepted, w.emitted = len(accepted), [int(t) for t in emitted]
+            # Keep the KV of the inputs that were right: those before the drafts (the last
+            # token, or a prefill's prompt) and the accepted drafts, a tree's moved into place
+            # (a chain's already are: `keep` is then a rollback).
             slot = w.seq.slot
-            self.cache.rollback(slot, self.cache.lens[slot] - (k - w.num_accepted))
-            if hidden is not None:  # likewise their hidden states (a prefill keeps the prompt's)
+            drafts_at = self.cache.lens[slot] - k
+            self.cache.keep(slot, drafts_at, [drafts_at + i for i in accepted])
+            if hidden is not None:  # likewise their hidden states
                 n = len(w.input_token_ids)
-                w.seq.add_hidden(hidden[first : first + n - (k - w.num_accepted)])
+                kept = hidden[first : first + n - k]
+                if accepted:
+                    kept = torch.cat([kept, hidden[first + n - k + torch.tensor(accepted)]])
+                w.seq.add_hidden(kept)
                 first += n
             row += k + 1
         return time.perf_counter() - start
