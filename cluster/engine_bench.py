@@ -7,6 +7,12 @@ and — at batch 1 — through HF transformers' `generate` on the same weights a
 Figures are output tokens per second of wall time; the summary quotes medians over
 repeats of per-repeat ratios, because this machine is shared and noisy.
 
+A batch of B runs B requests at a time, each group waiting for its slowest, so every mode
+runs about as many passes as the longest request has tokens: speculation only shrinks the
+batch once faster requests finish. `--continuous` runs B clients instead, each sending its
+next request as soon as its last one finishes (continuous batching, the shape of
+`splitspec bench --concurrency B` against a server), where the passes saved are saved.
+
 Greedy speculation is exact, so both modes emit the same tokens; the benchmark checks
 that too and reports any mismatch.
 """
@@ -14,6 +20,7 @@ that too and reports any mismatch.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import logging
@@ -43,19 +50,41 @@ class Row:
     wall_s: float
     mean_acceptance_length: float
     acceptance_rate: float
+    #: Verifier passes the engine ran (0 for "hf").
+    passes: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s
 
 
-def _run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, batch: int):
-    """Serve `prompts` `batch` at a time; returns (results, wall seconds)."""
+def _run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, batch: int,
+                continuous: bool = False):
+    """Serve `prompts` `batch` at a time, or (`continuous`) to `batch` clients that each
+    send the next prompt as soon as their last one finishes; returns (results in prompt
+    order, wall seconds)."""
     start = time.perf_counter()
-    results = []
-    for i in range(0, len(prompts), batch):
-        results += engine.generate_sync(prompts[i : i + batch], params)
+    if continuous:
+        results = asyncio.run(_clients(engine, prompts, params, batch))
+    else:
+        results = []
+        for i in range(0, len(prompts), batch):
+            results += engine.generate_sync(prompts[i : i + batch], params)
     return results, time.perf_counter() - start
+
+
+async def _clients(engine: Engine, prompts: list[list[int]], params: SamplingParams, clients: int) -> list:
+    """`clients` concurrent clients sharing the list of prompts, as `splitspec bench
+    --concurrency` drives a server: the engine's batch refills as each request finishes."""
+    todo = iter(range(len(prompts)))  # shared by the clients: one event loop, no races
+    results: list = [None] * len(prompts)
+
+    async def client() -> None:
+        for i in todo:
+            (results[i],) = await engine.generate_all([prompts[i]], params)
+
+    await asyncio.gather(*(client() for _ in range(min(clients, len(prompts)))))
+    return results
 
 
 def _summarise(results) -> tuple[int, float, float]:
@@ -136,10 +165,12 @@ def run(args: argparse.Namespace) -> dict:
                 order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
                 outputs = {}
                 for mode in order:
-                    results, wall = _run_engine(engines[mode], prompts[w], params, batch)
+                    passes = engines[mode].stats.num_steps
+                    results, wall = _run_engine(engines[mode], prompts[w], params, batch, args.continuous)
+                    passes = engines[mode].stats.num_steps - passes
                     tokens, mal, rate = _summarise(results)
                     outputs[mode] = [r.token_ids for r in results]
-                    rows.append(Row(repeat, w, batch, mode, len(results), tokens, wall, mal, rate))
+                    rows.append(Row(repeat, w, batch, mode, len(results), tokens, wall, mal, rate, passes))
                     _progress(rows[-1])
                 base = outputs.get("off", next(iter(outputs.values())))
                 mismatches += sum(a != b for out in outputs.values() for a, b in zip(out, base))
@@ -155,7 +186,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def _progress(row: Row) -> None:
     print(f"  repeat {row.repeat} {row.workload:<10} batch {row.batch} {row.mode:<8} "
-          f"{row.output_tokens:5d} tokens {row.wall_s:7.2f}s {row.tokens_per_s:7.2f} tok/s "
+          f"{row.output_tokens:5d} tokens {row.passes:5d} passes {row.wall_s:7.2f}s {row.tokens_per_s:7.2f} tok/s "
           f"mean acceptance length {row.mean_acceptance_length:.2f}", file=sys.stderr, flush=True)
 
 
@@ -215,6 +246,10 @@ def add_parser(sub) -> None:
     p.add_argument("--workload", action="append", choices=WORKLOADS,
                    help="repeatable (default: code_edit and chat)")
     p.add_argument("--batch", type=_int_list, default=[1, 8], help="comma-separated batch sizes (default 1,8)")
+    p.add_argument("--continuous", action="store_true",
+                   help="run each batch size B as B clients that each send their next request as soon as the "
+                        "last one finishes (continuous batching, as `splitspec bench --concurrency B` drives a "
+                        "server), instead of B requests at a time, each group waiting for its slowest")
     p.add_argument("--k", type=int, default=4, help="k of the default modes (off,ngram:K)")
     p.add_argument("--modes", default=None,
                    help="comma-separated: off, METHOD:K (e.g. draft:4, eagle:4), METHOD:K:W-W-... (an EAGLE "

@@ -100,3 +100,23 @@ def test_engine_bench_runs_side_by_side(tmp_path):
     (summary,) = report["summary"]
     assert summary["workload"] == "code_edit" and summary["speedup_median"] > 0
     assert "speedup" in proc.stdout
+
+
+def test_engine_bench_continuous_serves_every_request_to_its_clients(tmp_path):
+    # 3 requests to 2 clients: the third starts when either client's first finishes. The
+    # outputs are compared with `off` request by request, so a lost or reordered result
+    # would show as a mismatch or a short row.
+    out = tmp_path / "bench.json"
+    proc = splitspec("engine-bench", "--workload", "code_edit", "--batch", "2", "--continuous", "--requests", "3",
+                     "--repeats", "1", "--max-tokens", "12", "--no-hf", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["args"]["continuous"] is True and report["greedy_mismatches"] == 0
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"off", "ngram:4"}
+    for r in rows.values():
+        assert r["num_requests"] == 3 and r["batch"] == 2
+    # Without drafts, a pass emits one token per running sequence: 3 requests of 12
+    # tokens (unless one stops early) need at least 36 / 2 = 18 passes, prompts included.
+    assert rows["off"]["passes"] >= -(-rows["off"]["output_tokens"] // 2)
+    assert 0 < rows["ngram:4"]["passes"] <= rows["off"]["passes"]
