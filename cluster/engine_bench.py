@@ -130,7 +130,8 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
 
     config = EngineConfig(max_num_seqs=max(args.batch), max_model_len=args.max_model_len)
     methods = sorted({m.split(":")[0] for m in args.modes if ":" in m}) or ["ngram"]
-    proposers = {m: build_proposer(m) for m in methods}
+    proposers = {m: build_proposer(m, {"path": args.draft_model} if m == "draft" and args.draft_model else None)
+                 for m in methods}
     engines = {}
     for mode in args.modes:
         if mode == "off":
@@ -242,6 +243,10 @@ def _int_list(text: str) -> list[int]:
 def add_parser(sub) -> None:
     p = sub.add_parser("engine-bench", help="time plain decoding vs n-gram speculation (and HF generate) in-process")
     p.add_argument("--model", default=None, help="model path (default: bundled; HF comparison only for the bundled model)")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft model of `draft:K` modes: a GGUF file, an HF directory or a `splitspec train "
+                        "draft` output (default: the draft trained for the bundled model), e.g. the "
+                        "Qwen2.5-Coder-0.5B of `splitspec models fetch qwen-coder` with --model its 1.5B")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--workload", action="append", choices=WORKLOADS,
                    help="repeatable (default: code_edit and chat)")

@@ -102,6 +102,23 @@ def test_engine_bench_runs_side_by_side(tmp_path):
     assert "speedup" in proc.stdout
 
 
+def test_engine_bench_takes_the_draft_model_to_use(tmp_path):
+    # The target itself as the draft: its greedy drafts are the target's own next tokens,
+    # so all are accepted (bar a near-tie that the draft's one-row and the verifier's
+    # several-row products break apart); the default trained draft accepts about a third.
+    from verifier.models.bundled import bundled_model_path
+
+    out = tmp_path / "bench.json"
+    proc = splitspec("engine-bench", "--workload", "chat", "--batch", "1", "--requests", "1", "--repeats", "1",
+                     "--max-tokens", "12", "--no-hf", "--modes", "off,draft:3", "--draft-model",
+                     str(bundled_model_path()), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert report["greedy_mismatches"] == 0
+    assert rows["draft:3"]["acceptance_rate"] >= 0.8 and rows["draft:3"]["mean_acceptance_length"] > 2.5
+
+
 def test_engine_bench_continuous_serves_every_request_to_its_clients(tmp_path):
     # 3 requests to 2 clients: the third starts when either client's first finishes. The
     # outputs are compared with `off` request by request, so a lost or reordered result
