@@ -52,6 +52,10 @@ class Row:
     acceptance_rate: float
     #: Verifier passes the engine ran (0 for "hf").
     passes: int = 0
+    #: Of wall_s: seconds in the verifier's passes, and in choosing k and waiting for the
+    #: proposers before them (`EngineStats.pass_s`, `propose_s`); the rest is the loop's.
+    pass_s: float = 0.0
+    propose_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -166,12 +170,14 @@ def run(args: argparse.Namespace) -> dict:
                 order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
                 outputs = {}
                 for mode in order:
-                    passes = engines[mode].stats.num_steps
+                    st = engines[mode].stats
+                    before = (st.num_steps, st.pass_s, st.propose_s)
                     results, wall = _run_engine(engines[mode], prompts[w], params, batch, args.continuous)
-                    passes = engines[mode].stats.num_steps - passes
+                    passes, pass_s, propose_s = (a - b for a, b in zip((st.num_steps, st.pass_s, st.propose_s), before))
                     tokens, mal, rate = _summarise(results)
                     outputs[mode] = [r.token_ids for r in results]
-                    rows.append(Row(repeat, w, batch, mode, len(results), tokens, wall, mal, rate, passes))
+                    rows.append(Row(repeat, w, batch, mode, len(results), tokens, wall, mal, rate, passes,
+                                    round(pass_s, 3), round(propose_s, 3)))
                     _progress(rows[-1])
                 base = outputs.get("off", next(iter(outputs.values())))
                 mismatches += sum(a != b for out in outputs.values() for a, b in zip(out, base))
@@ -188,7 +194,9 @@ def run(args: argparse.Namespace) -> dict:
 def _progress(row: Row) -> None:
     print(f"  repeat {row.repeat} {row.workload:<10} batch {row.batch} {row.mode:<8} "
           f"{row.output_tokens:5d} tokens {row.passes:5d} passes {row.wall_s:7.2f}s {row.tokens_per_s:7.2f} tok/s "
-          f"mean acceptance length {row.mean_acceptance_length:.2f}", file=sys.stderr, flush=True)
+          f"mean acceptance length {row.mean_acceptance_length:.2f}"
+          + (f" (passes {row.pass_s:.2f}s, proposing {row.propose_s:.2f}s)" if row.passes else ""),
+          file=sys.stderr, flush=True)
 
 
 def _ratios(rows: list[Row]) -> list[dict]:

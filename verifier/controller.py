@@ -15,8 +15,9 @@ asked in parallel, before the pass; a call's time grows with the largest k asked
 
     E[tokens_i(k)] = 1 + p_i (alpha_i(1) + ... + alpha_i(k)),   alpha_i(j) = c_i(1) * ... * c_i(j)
 
-with c_i(j) the sequence's EWMA of the conditional acceptance at position j (the share of
-rounds that accepted draft j among those that accepted drafts 1..j-1) and p_i the EWMA of
+with c_i(j) the sequence's estimate of the conditional acceptance at position j (the share
+of rounds that accepted draft j among those that accepted drafts 1..j-1: an EWMA that
+starts as a running mean from the method-wide estimate, `AcceptanceEstimate`) and p_i the EWMA of
 the share of rounds in which the proposer had a draft at all (an n-gram proposer often has
 none; such a round costs the verifier nothing, so the k tokens count p_i k in T too).
 alpha_i(j) does not grow with j, so for a fixed budget the best split gives draft tokens to
@@ -114,6 +115,13 @@ REASONS = (
     "probe",  # a cheap periodic draft to re-measure an off sequence or an unused method
 )
 
+#: What the method-wide acceptance estimate counts as, in observations, in a new sequence's
+#: estimate: sequences differ (on the Qwen2.5-Coder pair a code_edit sequence accepted 0.86
+#: of its drafts, a chat one about 0.6), so a sequence's own first rounds soon outweigh it.
+#: With the full weight of a well-measured method-wide estimate, a costly method's
+#: sequence moved only by `costly_acceptance_ewma` (0.1) a round from its start.
+SEQUENCE_PRIOR_OBSERVATIONS = 2.0
+
 #: Off reasons under which a greedy sequence keeps shadow-drafting (see the module docstring).
 SHADOW_REASONS = ("low_acceptance", "batch_compute_bound")
 
@@ -129,8 +137,10 @@ class ControllerSettings:
     max_k: int = 8
     #: (min batch size, k) rows of `batch_table`, sorted by batch size.
     batch_table: tuple[tuple[int, int], ...] = ((1, 4), (8, 2), (32, 0))
-    #: Weight of the newest observation in the per-sequence acceptance EWMA. At 0.3 a
-    #: sequence whose drafts all fail drops from c = 0.6 to 0.07 in 6 rounds.
+    #: Weight of the newest observation in the per-sequence acceptance EWMA (at least: an
+    #: estimate of few observations moves as their running mean, `AcceptanceEstimate`).
+    #: At 0.3 a sequence whose drafts all fail drops from a well-measured c = 0.6 to 0.07
+    #: in 6 rounds (from the bare prior 0.6: 0.3, 0.2, 0.14, ..., 0.05).
     acceptance_ewma: float = 0.3
     #: The same for a costly method (not cheap, see `shadow_latency_share`: a model
     #: proposer). It has no shadow drafts, so a sequence it turned off is re-measured only
@@ -140,7 +150,8 @@ class ControllerSettings:
     #: acceptance per draft on average, break-even about 0.2).
     costly_acceptance_ewma: float = 0.1
     #: Conditional acceptance assumed before a method has any observation (optimistic, so
-    #: new sequences try speculation and measure it).
+    #: new sequences try speculation and measure it), worth one observation. A sequence
+    #: it keeps off (a costly method, below break-even) is probed at once.
     prior_acceptance: float = 0.6
     #: A sequence turned off for low acceptance, or a method a sequence does not use, is
     #: probed with `probe_k` drafts once every `probe_interval` rounds.
@@ -405,29 +416,82 @@ class ProposerLatency:
 
 
 class AcceptanceEstimate:
-    """EWMAs of the conditional acceptance c(j) at each draft position j = 1..max_k, and of
-    the share p of asks that returned any draft."""
+    """Estimates of the conditional acceptance c(j) at each draft position j = 1..max_k,
+    and an EWMA of the share p of asks that returned any draft.
 
-    __slots__ = ("c", "p")
+    Each c(j) carries its evidence: how many observations it stands for. The prior a
+    method starts from (`prior_acceptance`, a guess) counts as one; a sequence's first
+    estimate copies the method-wide one, which counts as `SEQUENCE_PRIOR_OBSERVATIONS` at
+    most. An observation adds one and
+    moves c(j) by max(weight, 1 / evidence): a running mean while the evidence is thin,
+    the EWMA of `weight` once it is not (a bias-corrected EWMA). So a guess gives way to
+    the first observations, and an estimate of many observations keeps the EWMA's
+    steadiness. A position with no observation yet (evidence 1 at most) takes the value
+    of the position before it: a method's acceptance at position j + 1 is better guessed
+    by its acceptance at j than by the prior (otherwise a costly method whose prior lies
+    below break-even never drafts deep enough to measure the positions it does not).
 
-    def __init__(self, initial: Sequence[float], p: float = 1.0) -> None:
+    >>> est = AcceptanceEstimate([0.6] * 4, evidence=[1.0] * 4)
+    >>> est.observe(2, 2, weight=0.1)  # a round of 2 drafts, both accepted
+    >>> [round(c, 2) for c in est.values()]  # (0.6 + 1) / 2 at positions 1-2, then borrowed
+    [0.8, 0.8, 0.8, 0.8]
+    >>> est.observe(2, 0, weight=0.1); [round(c, 3) for c in est.values()]  # (0.6 + 1 + 0) / 3
+    [0.533, 0.8, 0.8, 0.8]
+    """
+
+    __slots__ = ("c", "p", "evidence", "rounds")
+
+    def __init__(self, initial: Sequence[float], p: float = 1.0, evidence: Sequence[float] | None = None) -> None:
         self.c = list(initial)
         self.p = p
+        #: Observations each c(j) stands for; None: values known well (plain EWMA).
+        self.evidence = [math.inf] * len(self.c) if evidence is None else list(evidence)
+        #: Rounds observed by this estimate itself.
+        self.rounds = 0
+
+    def copy(self, max_evidence: float = math.inf) -> "AcceptanceEstimate":
+        """A new estimate starting where this one is: its values, and its evidence up to
+        `max_evidence` observations a position."""
+        return AcceptanceEstimate(self.c, self.p, [min(e, max_evidence) for e in self.evidence])
 
     def observe(self, k: int, num_accepted: int, weight: float) -> None:
         """A round that drafted k tokens (0: the proposer had none) and accepted the first
         `num_accepted`: positions 1..num_accepted saw an acceptance, position
         num_accepted + 1 (if <= k) a rejection, later positions nothing."""
+        self.rounds += 1
         self.p += weight * ((1.0 if k else 0.0) - self.p)
+        before = self.values()
         for j in range(min(num_accepted + 1, k, len(self.c))):
+            if not self.seen(j):
+                self.c[j] = before[j]  # starts from what it was taken to be
             x = 1.0 if j < num_accepted else 0.0
-            self.c[j] += weight * (x - self.c[j])
+            self.evidence[j] += 1.0
+            self.c[j] += max(weight, 1.0 / self.evidence[j]) * (x - self.c[j])
+
+    def measured(self) -> bool:
+        """Whether it rests on more than a new sequence's prior: rounds of its own, or a
+        first position of more evidence than the prior (an estimate given as well known)."""
+        return self.rounds > 0 or self.evidence[0] > SEQUENCE_PRIOR_OBSERVATIONS
+
+    def seen(self, j: int) -> bool:
+        """Whether position j + 1's estimate rests on any observation."""
+        return self.evidence[j] > 1.0
+
+    def value(self, j: int) -> float:
+        """c(j + 1) as the controller uses it: the estimate, or for a position never
+        observed the value of the one before it."""
+        while j and not self.seen(j):
+            j -= 1
+        return self.c[j]
+
+    def values(self) -> list[float]:
+        return [self.value(j) for j in range(len(self.c))]
 
     def alphas(self, k: int) -> list[float]:
         """alpha(1..k): probability that the first j drafts are all accepted."""
         out, a = [], 1.0
         for j in range(k):
-            a *= self.c[j]
+            a *= self.value(j)
             out.append(a)
         return out
 
@@ -441,6 +505,9 @@ class _SeqState:
     #: Whether the last auto decision gave drafts (for hysteresis), and if not, why.
     on: bool = True
     off_reason: str = ""
+    #: Whether it was turned off on its own measurements (else on the method-wide prior
+    #: alone, before it drafted: no hysteresis then, there is no flip-flop to damp).
+    off_measured: bool = True
     #: Rounds since the sequence last drafted (or shadow-drafted) with each method.
     idle: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -477,7 +544,8 @@ class Controller:
         s = self.settings
         self.methods = tuple(methods)
         for m in self.methods:
-            self._global.setdefault(m, AcceptanceEstimate([s.prior_acceptance] * self._max_positions))
+            self._global.setdefault(m, AcceptanceEstimate([s.prior_acceptance] * self._max_positions,
+                                                           evidence=[1.0] * self._max_positions))
 
     @classmethod
     def off(cls) -> "Controller":
@@ -556,7 +624,7 @@ class Controller:
 
     def acceptance(self, seq_id: str, method: str) -> list[float]:
         """The sequence's conditional acceptance per position for `method` (a copy)."""
-        return list(self._estimate(self._state(seq_id), method).c)
+        return self._estimate(self._state(seq_id), method).values()
 
     def _state(self, seq_id: str) -> _SeqState:
         state = self._seqs.get(seq_id)
@@ -567,8 +635,7 @@ class Controller:
     def _estimate(self, state: _SeqState, method: str) -> AcceptanceEstimate:
         est = state.by_method.get(method)
         if est is None:
-            g = self._global[method]
-            est = state.by_method[method] = AcceptanceEstimate(g.c, g.p)
+            est = state.by_method[method] = self._global[method].copy(SEQUENCE_PRIOR_OBSERVATIONS)
         return est
 
     # ------------------------------------------------------------------ planning
@@ -763,7 +830,7 @@ class Controller:
                 continue
             cap = caps[i] = min(self._cap(v), s.max_k)
             est = self._estimate(state, method)
-            scale = 1.0 if state.on else 1.0 - s.hysteresis
+            scale = 1.0 if state.on or not state.off_measured else 1.0 - s.hysteresis
             if self._cheap(method):
                 cheap.append((i, method, est, scale, cap))
             else:
@@ -810,6 +877,8 @@ class Controller:
                 decisions[i] = Decision(chosen[i], k, "goodput", other, cap if other else 0)
                 self._mark(v.seq_id, chosen[i], on=True)
                 continue
+            if state.on:
+                state.off_measured = self._estimate(state, chosen[i]).measured()
             self._mark(v.seq_id, None, on=False)
             key = chosen[i]
             if best_d == 0 and key not in reasons:
@@ -880,7 +949,10 @@ class Controller:
         if not state.on:
             # Only an acceptance-driven off is worth re-measuring: a compute-bound batch
             # stays compute bound whatever this sequence's acceptance.
-            if (state.off_reason != "batch_compute_bound" and state.idle.get(chosen, 0) >= s.probe_interval
+            # So is one turned off before it measured its method at all (the prior alone kept
+            # it off, e.g. a costly method whose prior lies below break-even): at once.
+            due = state.idle.get(chosen, 0) >= s.probe_interval or not self._estimate(state, chosen).measured()
+            if (state.off_reason != "batch_compute_bound" and due
                     and not self._can_shadow(v, chosen) and self._probe_call(chosen)):
                 return Decision(chosen, k, "probe")
             return None

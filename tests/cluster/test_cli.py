@@ -137,3 +137,8 @@ def test_engine_bench_continuous_serves_every_request_to_its_clients(tmp_path):
     # tokens (unless one stops early) need at least 36 / 2 = 18 passes, prompts included.
     assert rows["off"]["passes"] >= -(-rows["off"]["output_tokens"] // 2)
     assert 0 < rows["ngram:4"]["passes"] <= rows["off"]["passes"]
+    # Where the time went: the passes and the proposer calls are parts of the wall time,
+    # and `off` calls no proposer.
+    for row in rows.values():
+        assert 0 < row["pass_s"] and 0 <= row["propose_s"] and row["pass_s"] + row["propose_s"] <= row["wall_s"]
+    assert rows["off"]["propose_s"] < 0.05 * rows["off"]["pass_s"]

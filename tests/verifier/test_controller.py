@@ -125,33 +125,43 @@ def test_step_time_learns_what_a_draft_adds_at_a_batch_size():
     assert m.draft_s(32) == 0.0 and m.seq_s(32) == pytest.approx(31 * 0.002)
 
 # ---------------------------------------------------------------------- turning off and back on
-def test_low_acceptance_sequence_is_off_within_seven_rounds_and_probed_back():
-    # Every draft is rejected at position 1: c(1) = 0.6 * 0.7^n after n rounds (EWMA 0.3),
-    # c(j >= 2) stays at the prior 0.6 (never observed), so S_k = c(1) (1 - 0.6^k) / 0.4 and
-    # k pays iff 51.25 c(1) (1 - 0.6^k) > 0.5 k + 1   (a + b = 20.5 ms, in ms).
-    #   n = 6: c(1) = 0.0706; k = 3: 2.84 > 2.5 -> still on;
-    #   n = 7: c(1) = 0.0494; k = 1..8 give 1.01 < 1.5, 1.62 < 2, 1.99 < 2.5, ... -> off.
+def test_low_acceptance_sequence_is_off_within_five_rounds_and_probed_back():
+    # Every draft is rejected at position 1. The estimate starts from the bare prior 0.6,
+    # worth one observation, so c(1) is the running mean of the prior and the rounds until
+    # 1 / (rounds + 1) < 0.3 (acceptance_ewma), then an EWMA: 0.3, 0.2, then x 0.7 each
+    # round: 0.14, 0.098, 0.0686. Positions 2-8 are never observed and take c(1), so
+    # S_k = c + c^2 + ... + c^k, and goodput is (1 + S_k) / (21 + 0.5 k) per ms against
+    # 1 / 20.5 = 0.04878 without drafts (a + b = 20.5 ms):
+    #   round 1, c = 0.6 (S_k = 1.5 (1 - 0.6^k)): k = 4 2.3056 / 23 = 0.10024,
+    #     k = 5 2.38336 / 23.5 = 0.10142, k = 6 2.43002 / 24 = 0.10125 -> k = 5;
+    #   c = 0.3: k = 1 1.3 / 21.5 = 0.06047, k = 2 1.39 / 22 = 0.06318, k = 3 1.417 / 22.5 = 0.06298 -> 2;
+    #   c = 0.2: 1.2 / 21.5 = 0.05581, 1.24 / 22 = 0.05636, 1.248 / 22.5 = 0.05547 -> 2;
+    #   c = 0.14: 1.14 / 21.5 = 0.05302, 1.1596 / 22 = 0.05271 -> 1;  c = 0.098: 1;
+    #   c = 0.0686: k pays iff 20.5 S_k > 0.5 k + 1; k = 1: 1.406 < 1.5, and S_k < c / (1 - c)
+    #     = 0.0737 makes every k worse -> off from the 6th round.
     c = _controller()
     v = SequenceView("s")
     ks = []
-    for _ in range(7):
+    for _ in range(5):
         d = _one(c, v)
         assert d.k > 0 and d.reason == "goodput" and d.method == "ngram"
         ks.append(d.k)
         c.observe_round("s", d.method, d.k, 0)
-    assert ks[-1] == 3
-    assert c.acceptance("s", "ngram")[0] == pytest.approx(0.6 * 0.7 ** 7)
-    # Off from the 8th round; with perfect acceptance it would pay, so the reason is acceptance.
+    assert ks == [5, 2, 2, 1, 1]
+    assert c.acceptance("s", "ngram") == pytest.approx([0.2 * 0.7**3] * 8)
+    # Off from the 6th round; with perfect acceptance it would pay, so the reason is acceptance.
     for _ in range(7):
         d = _one(c, v)
         assert (d.k, d.reason) == (0, "low_acceptance")
     # 8 rounds after its last draft (probe_interval), a cheap probe of probe_k = 2 tokens.
     probe = _one(c, v)
     assert (probe.method, probe.k, probe.reason) == ("ngram", 2, "probe")
-    # The probe accepts both: c(1) = 0.0494 + 0.3 (1 - 0.0494) = 0.335, c(2) = 0.72; even
-    # discounted by the hysteresis (x 0.8), alpha(1) = 0.268 and 0.268 * 20.5 > 1.5: back on.
+    # The probe accepts both: c(1) = 0.0686 + 0.3 (1 - 0.0686) = 0.34802 (6 observations
+    # and the prior: the EWMA's weight); c(2), observed for the first time, starts from the
+    # 0.0686 it took and moves by 1/2: 0.5343, and positions 3-8 take it. Even discounted by
+    # the hysteresis (x 0.8), alpha(1) = 0.2784 and 20.5 * 0.2784 > 1.5: back on.
     c.observe_round("s", "ngram", 2, 2)
-    assert c.acceptance("s", "ngram")[:2] == pytest.approx([0.6 * 0.7 ** 7 + 0.3 * (1 - 0.6 * 0.7 ** 7), 0.72])
+    assert c.acceptance("s", "ngram") == pytest.approx([0.34802] + [0.5343] * 7)
     d = _one(c, v)
     assert d.k > 0 and d.reason == "goodput"
     for _ in range(10):  # acceptance stays perfect: k climbs to max_k
@@ -318,15 +328,80 @@ def test_a_model_proposers_drafts_are_sized_by_what_each_costs():
 
 
 def test_a_costly_methods_acceptance_moves_slower():
-    # One rejected first draft from c(1) = 0.6: a cheap method's estimate moves by 0.3 of
-    # the gap (0.6 -> 0.42), a costly one's by 0.1 (0.6 -> 0.54), the settings' defaults.
+    # One rejected first draft from a well-measured c(1) = 0.6: a cheap method's estimate
+    # moves by 0.3 of the gap (0.6 -> 0.42), a costly one's by 0.1 (0.6 -> 0.54), the
+    # settings' defaults.
     c = Controller(ControllerSettings(), ("ngram", "eagle"), MEMORY_BOUND)  # T(1) = 20.5 ms
     c.observe_proposer("ngram", 0.001)  # <= 0.25 * 20.5 ms: cheap
     c.observe_proposer("eagle", 0.010)  # above it: costly
     for m in ("ngram", "eagle"):
+        c._state("s").by_method[m] = AcceptanceEstimate([0.6] * 8)
         c.observe_round("s", m, 4, 0)
     assert c.acceptance("s", "ngram")[0] == pytest.approx(0.42)
     assert c.acceptance("s", "eagle")[0] == pytest.approx(0.54)
+    # From the bare prior (a method not measured yet, worth one observation) both move to
+    # the mean of the prior and the observation: (0.6 + 0) / 2. So does the method-wide
+    # estimate a new sequence starts from, and positions 2-4 (not observed) take c(1).
+    c = Controller(ControllerSettings(), ("ngram", "eagle"), MEMORY_BOUND)
+    c.observe_proposer("ngram", 0.001)
+    c.observe_proposer("eagle", 0.010)
+    for m in ("ngram", "eagle"):
+        c.observe_round("t", m, 4, 0)
+        assert c.acceptance("t", m)[:4] == pytest.approx([0.3] * 4)
+        assert c.acceptance("new", m)[:4] == pytest.approx([0.3] * 4)
+
+
+def test_a_costly_method_below_break_even_on_its_prior_is_probed_at_once():
+    # A draft model whose step costs 12 ms beside a 20.5 ms verifier step (T(n) = 20 +
+    # 0.5 n ms, L(k) = 12 k ms: a costly method). On the prior c = 0.6 no k pays:
+    #   k = 1: 1.6 / (21 + 12) = 0.04848 < 1 / 20.5 = 0.04878; k = 2: 1.96 / 45.5 = 0.0431.
+    # Were every draft accepted, k = 1 would (2 / 33 = 0.0606): off for low acceptance. The
+    # prior is a guess, so the sequence is probed in the next round, not 8 rounds later.
+    c = Controller(ControllerSettings(), ("draft",), MEMORY_BOUND)
+    c.observe_proposer("draft", 0.024, k=2)  # proportional to k: 12 ms a draft
+    v = SequenceView("s")
+    assert _one(c, v) == Decision(None, 0, "low_acceptance")
+    assert _one(c, v) == Decision("draft", 2, "probe")
+    # Both accepted: c(1) and c(2) are the mean of the prior and one acceptance, 0.8, and
+    # positions 3-8 take 0.8 too. Off, the sequence counts 0.8 of its alphas (hysteresis):
+    #   k = 1: (1 + 0.64) / 33 = 0.04970 > 0.04878: on;  k = 2: (1 + 0.64 + 0.512) / 45.5 = 0.0473.
+    c.observe_round("s", "draft", 2, 2)
+    assert c.acceptance("s", "draft") == pytest.approx([0.8] * 8)
+    assert _one(c, v) == Decision("draft", 1, "goodput")
+    # A draft the target always accepts: k climbs. Once every c(j) is at least 0.97,
+    # k = 4 gives (1 + 3.76) / (22.5 + 48) = 0.0675 and k = 1 at most 2 / 33 = 0.0606.
+    ks = []
+    d = Decision("draft", 1, "goodput")
+    for _ in range(40):
+        c.observe_round("s", "draft", d.k, d.k)
+        d = _one(c, v)
+        ks.append(d.k)
+    assert ks == sorted(ks) and ks[-1] >= 4, ks
+    # A sequence that measured its own low acceptance and was turned off for it waits
+    # for the usual probe, in the 8th round (`probe_interval`).
+    c2 = Controller(ControllerSettings(), ("draft",), MEMORY_BOUND)
+    c2.observe_proposer("draft", 0.024, k=2)
+    c2._state("s").by_method["draft"] = AcceptanceEstimate([0.6] * 8)
+    c2.observe_round("s", "draft", 1, 0)  # EWMA 0.1: c(1) = 0.54
+    assert [_one(c2, v).reason for _ in range(7)] == ["low_acceptance"] * 7
+    assert _one(c2, v).reason == "probe"
+
+
+def test_a_new_sequence_weighs_the_method_wide_estimate_as_two_observations():
+    # Sequence "a" drafts 4 and has all rejected, 20 times: the method-wide estimate of
+    # c(1) moves by max(0.1 / 4, 1 / evidence) a round from the prior 0.6 (evidence 1):
+    # the running mean until 1 / evidence < 0.025, i.e. all 20 rounds: 0.6 / 21.
+    c = Controller(ControllerSettings(), ("draft",), MEMORY_BOUND)
+    c.observe_proposer("draft", 0.024, k=2)
+    for _ in range(20):
+        c.observe_round("a", "draft", 4, 0)
+    prior = 0.6 / 21
+    assert c.acceptance("b", "draft")[0] == pytest.approx(prior)
+    # "b" starts from it, worth two observations: its first accepted round moves c(1) by
+    # 1 / 3, its second by 1 / 4, ... (a costly method: EWMA 0.1 from the 8th on).
+    for n in range(1, 4):
+        c.observe_round("b", "draft", 1, 1)
+        assert c.acceptance("b", "draft")[0] == pytest.approx((2 * prior + n) / (2 + n))
 
 
 def test_a_full_batch_asks_a_cheap_method_when_its_drafts_pay_together():
