@@ -506,7 +506,8 @@ class _SeqState:
     on: bool = True
     off_reason: str = ""
     #: Whether it was turned off on its own measurements (else on the method-wide prior
-    #: alone, before it drafted: no hysteresis then, there is no flip-flop to damp).
+    #: alone, before it drafted: no hysteresis then, there is no flip-flop to damp, and
+    #: probes come sooner).
     off_measured: bool = True
     #: Rounds since the sequence last drafted (or shadow-drafted) with each method.
     idle: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -948,12 +949,14 @@ class Controller:
             return None
         if not state.on:
             # Only an acceptance-driven off is worth re-measuring: a compute-bound batch
-            # stays compute bound whatever this sequence's acceptance.
-            # So is one turned off before it measured its method at all (the prior alone kept
-            # it off, e.g. a costly method whose prior lies below break-even): at once.
-            due = state.idle.get(chosen, 0) >= s.probe_interval or not self._estimate(state, chosen).measured()
-            if (state.off_reason != "batch_compute_bound" and due
-                    and not self._can_shadow(v, chosen) and self._probe_call(chosen)):
+            # stays compute bound whatever this sequence's acceptance. A sequence turned off
+            # by the method-wide estimate alone, before it drafted (e.g. a costly method whose
+            # estimate lies below break-even), has little evidence of its own: it is probed
+            # at once, then after 2, 4, ... rounds up to `probe_interval`.
+            gap = s.probe_interval if state.off_measured else min(
+                s.probe_interval, 2 ** self._estimate(state, chosen).rounds)
+            if (state.off_reason != "batch_compute_bound" and state.idle.get(chosen, 0) >= gap
+                    and not self._can_shadow(v, chosen) and self._probe_call(chosen, gap)):
                 return Decision(chosen, k, "probe")
             return None
         if v.method is None:
@@ -963,17 +966,17 @@ class Controller:
                     return Decision(m, k, "probe")
         return None
 
-    def _probe_call(self, method: str) -> bool:
+    def _probe_call(self, method: str, gap: int | None = None) -> bool:
         """Whether a due probe of `method` goes in this round's call: always for a cheap
-        method; for a costly one, in a round that already probes it, or once
-        `probe_interval` rounds have passed since the last round that did (which this
-        round then becomes)."""
+        method; for a costly one, in a round that already probes it, or once `gap`
+        (default `probe_interval`) rounds have passed since the last round that did (which
+        this round then becomes)."""
         if self._cheap(method):
             return True
         last = self._probe_round.get(method)
         if last == self._round:
             return True
-        if last is not None and self._round - last < self.settings.probe_interval:
+        if last is not None and self._round - last < (self.settings.probe_interval if gap is None else gap):
             return False
         self._probe_round[method] = self._round
         return True

@@ -387,6 +387,26 @@ def test_a_costly_method_below_break_even_on_its_prior_is_probed_at_once():
     assert _one(c2, v).reason == "probe"
 
 
+def test_a_sequence_off_on_its_prior_is_probed_at_growing_gaps():
+    # The costly draft of the test above, and probes that are all rejected: the sequence
+    # stays off. It was turned off on the prior alone, so its probes come 1, 2, 4 and then
+    # 8 rounds (probe_interval) after the last: rounds 2, 4, 8, 16, 24. Its c(1) falls as
+    # the running mean 0.6 / (1 + n) after n probes, and no k paid even at 0.6.
+    c = Controller(ControllerSettings(), ("draft",), MEMORY_BOUND)
+    c.observe_proposer("draft", 0.024, k=2)
+    v = SequenceView("s")
+    probes = []
+    for r in range(1, 25):
+        d = _one(c, v)
+        if d.reason == "probe":
+            probes.append(r)
+            c.observe_round("s", "draft", d.k, 0)
+        else:
+            assert d == Decision(None, 0, "low_acceptance")
+    assert probes == [2, 4, 8, 16, 24]
+    assert c.acceptance("s", "draft")[0] == pytest.approx(0.6 / 6)
+
+
 def test_a_new_sequence_weighs_the_method_wide_estimate_as_two_observations():
     # Sequence "a" drafts 4 and has all rejected, 20 times: the method-wide estimate of
     # c(1) moves by max(0.1 / 4, 1 / evidence) a round from the prior 0.6 (evidence 1):
