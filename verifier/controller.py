@@ -422,11 +422,10 @@ class AcceptanceEstimate:
     Each c(j) carries its evidence: how many observations it stands for. The prior a
     method starts from (`prior_acceptance`, a guess) counts as one; a sequence's first
     estimate copies the method-wide one, which counts as `SEQUENCE_PRIOR_OBSERVATIONS` at
-    most. An observation adds one and
-    moves c(j) by max(weight, 1 / evidence): a running mean while the evidence is thin,
-    the EWMA of `weight` once it is not (a bias-corrected EWMA). So a guess gives way to
-    the first observations, and an estimate of many observations keeps the EWMA's
-    steadiness. A position with no observation yet (evidence 1 at most) takes the value
+    most. An observation adds one and moves c(j) by max(weight, 1 / evidence): a running
+    mean while the evidence is thin, the EWMA of `weight` once it is not (a bias-corrected
+    EWMA). So a guess gives way to the first observations, and an estimate of many
+    observations keeps the EWMA's steadiness. A position with no observation yet (evidence 1 at most) takes the value
     of the position before it: a method's acceptance at position j + 1 is better guessed
     by its acceptance at j than by the prior (otherwise a costly method whose prior lies
     below break-even never drafts deep enough to measure the positions it does not).
