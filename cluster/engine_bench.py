@@ -171,9 +171,13 @@ def run(args: argparse.Namespace) -> dict:
                 outputs = {}
                 for mode in order:
                     st = engines[mode].stats
-                    before = (st.num_steps, st.pass_s, st.propose_s)
+
+                    def counters():
+                        return st.num_steps, st.pass_s, st.propose_s
+
+                    before = counters()
                     results, wall = _run_engine(engines[mode], prompts[w], params, batch, args.continuous)
-                    passes, pass_s, propose_s = (a - b for a, b in zip((st.num_steps, st.pass_s, st.propose_s), before))
+                    passes, pass_s, propose_s = (a - b for a, b in zip(counters(), before))
                     tokens, mal, rate = _summarise(results)
                     outputs[mode] = [r.token_ids for r in results]
                     rows.append(Row(repeat, w, batch, mode, len(results), tokens, wall, mal, rate, passes,

@@ -459,10 +459,10 @@ class AcceptanceEstimate:
         num_accepted + 1 (if <= k) a rejection, later positions nothing."""
         self.rounds += 1
         self.p += weight * ((1.0 if k else 0.0) - self.p)
-        before = self.values()
         for j in range(min(num_accepted + 1, k, len(self.c))):
-            if not self.seen(j):
-                self.c[j] = before[j]  # starts from what it was taken to be
+            if self.seen(j) or not j:
+                taken = self.c[j]  # what position j was taken to be before this round
+            self.c[j] = taken  # a position never observed starts from the one before it
             x = 1.0 if j < num_accepted else 0.0
             self.evidence[j] += 1.0
             self.c[j] += max(weight, 1.0 / self.evidence[j]) * (x - self.c[j])
@@ -476,21 +476,19 @@ class AcceptanceEstimate:
         """Whether position j + 1's estimate rests on any observation."""
         return self.evidence[j] > 1.0
 
-    def value(self, j: int) -> float:
-        """c(j + 1) as the controller uses it: the estimate, or for a position never
-        observed the value of the one before it."""
-        while j and not self.seen(j):
-            j -= 1
-        return self.c[j]
-
-    def values(self) -> list[float]:
-        return [self.value(j) for j in range(len(self.c))]
+    def values(self, k: int | None = None) -> list[float]:
+        """c(1..k) (default: every position) as the controller uses them: the estimate,
+        or for a position never observed the value of the one before it."""
+        out: list[float] = []
+        for j in range(len(self.c) if k is None else k):
+            out.append(self.c[j] if self.seen(j) or not j else out[-1])
+        return out
 
     def alphas(self, k: int) -> list[float]:
         """alpha(1..k): probability that the first j drafts are all accepted."""
         out, a = [], 1.0
-        for j in range(k):
-            a *= self.value(j)
+        for c in self.values(k):
+            a *= c
             out.append(a)
         return out
 

@@ -331,9 +331,13 @@ def test_a_costly_methods_acceptance_moves_slower():
     # One rejected first draft from a well-measured c(1) = 0.6: a cheap method's estimate
     # moves by 0.3 of the gap (0.6 -> 0.42), a costly one's by 0.1 (0.6 -> 0.54), the
     # settings' defaults.
-    c = Controller(ControllerSettings(), ("ngram", "eagle"), MEMORY_BOUND)  # T(1) = 20.5 ms
-    c.observe_proposer("ngram", 0.001)  # <= 0.25 * 20.5 ms: cheap
-    c.observe_proposer("eagle", 0.010)  # above it: costly
+    def cheap_and_costly() -> Controller:
+        c = Controller(ControllerSettings(), ("ngram", "eagle"), MEMORY_BOUND)  # T(1) = 20.5 ms
+        c.observe_proposer("ngram", 0.001)  # <= 0.25 * 20.5 ms: cheap
+        c.observe_proposer("eagle", 0.010)  # above it: costly
+        return c
+
+    c = cheap_and_costly()
     for m in ("ngram", "eagle"):
         c._state("s").by_method[m] = AcceptanceEstimate([0.6] * 8)
         c.observe_round("s", m, 4, 0)
@@ -342,13 +346,20 @@ def test_a_costly_methods_acceptance_moves_slower():
     # From the bare prior (a method not measured yet, worth one observation) both move to
     # the mean of the prior and the observation: (0.6 + 0) / 2. So does the method-wide
     # estimate a new sequence starts from, and positions 2-4 (not observed) take c(1).
-    c = Controller(ControllerSettings(), ("ngram", "eagle"), MEMORY_BOUND)
-    c.observe_proposer("ngram", 0.001)
-    c.observe_proposer("eagle", 0.010)
+    c = cheap_and_costly()
     for m in ("ngram", "eagle"):
         c.observe_round("t", m, 4, 0)
         assert c.acceptance("t", m)[:4] == pytest.approx([0.3] * 4)
         assert c.acceptance("new", m)[:4] == pytest.approx([0.3] * 4)
+
+
+def _costly_draft() -> Controller:
+    """Default settings, T(n) = 20 + 0.5 n ms and a draft proposer whose call takes 12 ms
+    per draft (one call of k = 2 in 24 ms: proportional to k), far above
+    `shadow_latency_share` of a step: a costly method."""
+    c = Controller(ControllerSettings(), ("draft",), MEMORY_BOUND)
+    c.observe_proposer("draft", 0.024, k=2)
+    return c
 
 
 def test_a_costly_method_below_break_even_on_its_prior_is_probed_at_once():
@@ -357,8 +368,7 @@ def test_a_costly_method_below_break_even_on_its_prior_is_probed_at_once():
     #   k = 1: 1.6 / (21 + 12) = 0.04848 < 1 / 20.5 = 0.04878; k = 2: 1.96 / 45.5 = 0.0431.
     # Were every draft accepted, k = 1 would (2 / 33 = 0.0606): off for low acceptance. The
     # prior is a guess, so the sequence is probed in the next round, not 8 rounds later.
-    c = Controller(ControllerSettings(), ("draft",), MEMORY_BOUND)
-    c.observe_proposer("draft", 0.024, k=2)  # proportional to k: 12 ms a draft
+    c = _costly_draft()
     v = SequenceView("s")
     assert _one(c, v) == Decision(None, 0, "low_acceptance")
     assert _one(c, v) == Decision("draft", 2, "probe")
@@ -379,8 +389,7 @@ def test_a_costly_method_below_break_even_on_its_prior_is_probed_at_once():
     assert ks == sorted(ks) and ks[-1] >= 4, ks
     # A sequence that measured its own low acceptance and was turned off for it waits
     # for the usual probe, in the 8th round (`probe_interval`).
-    c2 = Controller(ControllerSettings(), ("draft",), MEMORY_BOUND)
-    c2.observe_proposer("draft", 0.024, k=2)
+    c2 = _costly_draft()
     c2._state("s").by_method["draft"] = AcceptanceEstimate([0.6] * 8)
     c2.observe_round("s", "draft", 1, 0)  # EWMA 0.1: c(1) = 0.54
     assert [_one(c2, v).reason for _ in range(7)] == ["low_acceptance"] * 7
@@ -392,8 +401,7 @@ def test_a_sequence_off_on_its_prior_is_probed_at_growing_gaps():
     # stays off. It was turned off on the prior alone, so its probes come 1, 2, 4 and then
     # 8 rounds (probe_interval) after the last: rounds 2, 4, 8, 16, 24. Its c(1) falls as
     # the running mean 0.6 / (1 + n) after n probes, and no k paid even at 0.6.
-    c = Controller(ControllerSettings(), ("draft",), MEMORY_BOUND)
-    c.observe_proposer("draft", 0.024, k=2)
+    c = _costly_draft()
     v = SequenceView("s")
     probes = []
     for r in range(1, 25):
@@ -411,8 +419,7 @@ def test_a_new_sequence_weighs_the_method_wide_estimate_as_two_observations():
     # Sequence "a" drafts 4 and has all rejected, 20 times: the method-wide estimate of
     # c(1) moves by max(0.1 / 4, 1 / evidence) a round from the prior 0.6 (evidence 1):
     # the running mean until 1 / evidence < 0.025, i.e. all 20 rounds: 0.6 / 21.
-    c = Controller(ControllerSettings(), ("draft",), MEMORY_BOUND)
-    c.observe_proposer("draft", 0.024, k=2)
+    c = _costly_draft()
     for _ in range(20):
         c.observe_round("a", "draft", 4, 0)
     prior = 0.6 / 21
