@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import operator
 import statistics
 import sys
 import time
@@ -164,20 +165,16 @@ def run(args: argparse.Namespace) -> dict:
     prompts = {w: load_prompts(w, tokenizer)[: args.requests] for w in args.workload}
     rows: list[Row] = []
     mismatches = 0
+    counters = operator.attrgetter("num_steps", "pass_s", "propose_s")
     for repeat in range(args.repeats):
         for w in args.workload:
             for batch in args.batch:
                 order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
                 outputs = {}
                 for mode in order:
-                    st = engines[mode].stats
-
-                    def counters():
-                        return st.num_steps, st.pass_s, st.propose_s
-
-                    before = counters()
+                    before = counters(engines[mode].stats)
                     results, wall = _run_engine(engines[mode], prompts[w], params, batch, args.continuous)
-                    passes, pass_s, propose_s = (a - b for a, b in zip(counters(), before))
+                    passes, pass_s, propose_s = (a - b for a, b in zip(counters(engines[mode].stats), before))
                     tokens, mal, rate = _summarise(results)
                     outputs[mode] = [r.token_ids for r in results]
                     rows.append(Row(repeat, w, batch, mode, len(results), tokens, wall, mal, rate, passes,

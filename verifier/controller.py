@@ -425,10 +425,11 @@ class AcceptanceEstimate:
     most. An observation adds one and moves c(j) by max(weight, 1 / evidence): a running
     mean while the evidence is thin, the EWMA of `weight` once it is not (a bias-corrected
     EWMA). So a guess gives way to the first observations, and an estimate of many
-    observations keeps the EWMA's steadiness. A position with no observation yet (evidence 1 at most) takes the value
-    of the position before it: a method's acceptance at position j + 1 is better guessed
-    by its acceptance at j than by the prior (otherwise a costly method whose prior lies
-    below break-even never drafts deep enough to measure the positions it does not).
+    observations keeps the EWMA's steadiness. A position with no observation yet (evidence
+    1 at most) takes the value of the position before it: a method's acceptance at position
+    j + 1 is better guessed by its acceptance at j than by the prior (otherwise a costly
+    method whose prior lies below break-even never drafts deep enough to measure the
+    positions it does not).
 
     >>> est = AcceptanceEstimate([0.6] * 4, evidence=[1.0] * 4)
     >>> est.observe(2, 2, weight=0.1)  # a round of 2 drafts, both accepted
@@ -459,9 +460,8 @@ class AcceptanceEstimate:
         num_accepted + 1 (if <= k) a rejection, later positions nothing."""
         self.rounds += 1
         self.p += weight * ((1.0 if k else 0.0) - self.p)
-        for j in range(min(num_accepted + 1, k, len(self.c))):
-            if self.seen(j) or not j:
-                taken = self.c[j]  # what position j was taken to be before this round
+        n = min(num_accepted + 1, k, len(self.c))
+        for j, taken in enumerate(self.values(n)):
             self.c[j] = taken  # a position never observed starts from the one before it
             x = 1.0 if j < num_accepted else 0.0
             self.evidence[j] += 1.0
