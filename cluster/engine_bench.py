@@ -4,6 +4,9 @@ One process, one model. For each repeat, workload and batch size it runs the sam
 requests in each mode (default: speculation off and n-gram at k = 4; `--modes` adds e.g.
 `draft:4`, `eagle:4` or `auto`, the goodput controller over them), alternating the order,
 and — at batch 1 — through HF transformers' `generate` on the same weights and dtype.
+Each mode's requests run as one block, or with `--interleave` each group of `batch`
+requests in every mode before the next group, so that the machine's drift over a block
+(here often 20% within a minute) falls on every mode alike.
 Figures are output tokens per second of wall time; the summary quotes medians over
 repeats of per-repeat ratios, because this machine is shared and noisy.
 
@@ -170,15 +173,25 @@ def run(args: argparse.Namespace) -> dict:
         for w in args.workload:
             for batch in args.batch:
                 order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+                before = {mode: counters(engines[mode].stats) for mode in order}
+                results = {mode: [] for mode in order}
+                walls = dict.fromkeys(order, 0.0)
+                # Interleaved: each group of `batch` requests in every mode before the next
+                # group (the order alternating), so the machine's drift falls on every mode.
+                groups = ([prompts[w][i : i + batch] for i in range(0, len(prompts[w]), batch)]
+                          if args.interleave and not args.continuous else [prompts[w]])
+                for g, group in enumerate(groups):
+                    for mode in order if g % 2 == 0 else order[::-1]:
+                        res, wall = _run_engine(engines[mode], group, params, batch, args.continuous)
+                        results[mode] += res
+                        walls[mode] += wall
                 outputs = {}
                 for mode in order:
-                    before = counters(engines[mode].stats)
-                    results, wall = _run_engine(engines[mode], prompts[w], params, batch, args.continuous)
-                    passes, pass_s, propose_s = (a - b for a, b in zip(counters(engines[mode].stats), before))
-                    tokens, mal, rate = _summarise(results)
-                    outputs[mode] = [r.token_ids for r in results]
-                    rows.append(Row(repeat, w, batch, mode, len(results), tokens, wall, mal, rate, passes,
-                                    round(pass_s, 3), round(propose_s, 3)))
+                    passes, pass_s, propose_s = (a - b for a, b in zip(counters(engines[mode].stats), before[mode]))
+                    tokens, mal, rate = _summarise(results[mode])
+                    outputs[mode] = [r.token_ids for r in results[mode]]
+                    rows.append(Row(repeat, w, batch, mode, len(results[mode]), tokens, walls[mode], mal, rate,
+                                    passes, round(pass_s, 3), round(propose_s, 3)))
                     _progress(rows[-1])
                 base = outputs.get("off", next(iter(outputs.values())))
                 mismatches += sum(a != b for out in outputs.values() for a, b in zip(out, base))
@@ -264,6 +277,9 @@ def add_parser(sub) -> None:
                    help="run each batch size B as B clients that each send their next request as soon as the "
                         "last one finishes (continuous batching, as `splitspec bench --concurrency B` drives a "
                         "server), instead of B requests at a time, each group waiting for its slowest")
+    p.add_argument("--interleave", action="store_true",
+                   help="run each group of BATCH requests in every mode before the next group (not with "
+                        "--continuous), instead of each mode's requests in one block: drift falls on every mode")
     p.add_argument("--k", type=int, default=4, help="k of the default modes (off,ngram:K)")
     p.add_argument("--modes", default=None,
                    help="comma-separated: off, METHOD:K (e.g. draft:4, eagle:4), METHOD:K:W-W-... (an EAGLE "
@@ -286,4 +302,6 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
         if mode not in ("off", "auto") and not (len(parts) in (2, 3) and parts[1].isdigit() and (
                 len(parts) == 2 or all(w.isdigit() and int(w) > 0 for w in parts[2].split("-")))):
             raise InvalidRequestError("modes", f"{mode!r} is not off, auto, METHOD:K or METHOD:K:W-W-...")
+    if args.interleave and args.continuous:
+        raise InvalidRequestError("interleave", "runs fixed groups of BATCH requests; --continuous has none")
     return args

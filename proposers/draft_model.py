@@ -188,6 +188,7 @@ class DraftModelProposer:
                  token_map: np.ndarray | None = None) -> None:
         self.method = method
         self.model = model
+        model.pack_weights()  # oneDNN on CPU in float32 (a no-op elsewhere)
         #: Target id of each LM-head column when the draft's head covers a subset of the
         #: vocabulary (`load_trained_draft`); None when column c is id c.
         self.token_map = None if token_map is None else torch.from_numpy(np.asarray(token_map, np.int64))

@@ -39,7 +39,7 @@ from protos.proposal import Proposal, ProposalRequest
 from proposers.draft_model import DraftModelConfig, DraftModelProposer, _Seq, hf_layers
 from verifier.errors import ModelLoadError
 from verifier.models.config import ModelConfig
-from verifier.models.llama import LlamaModel, linear
+from verifier.models.llama import LlamaModel, linear, pack_weight
 from verifier.models.vocab import VocabFingerprint
 
 
@@ -140,6 +140,8 @@ class EagleProposer(DraftModelProposer):
     def __init__(self, head: EagleHead, vocab: VocabFingerprint | None = None,
                  config: DraftModelConfig | None = None, method: str = "eagle") -> None:
         super().__init__(head.model, vocab, config, method, token_map=head.token_map)
+        if self.model.packed and not head.fc_weight.is_mkldnn:
+            head = dataclasses.replace(head, fc_weight=pack_weight(head.fc_weight))
         self.head = head
 
     _state = _EagleSeq

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verifier.models.llama import LlamaModel, rotate_half
+from verifier.models.llama import LlamaModel, dense, rotate_half
 from verifier.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -414,15 +414,15 @@ def frequent_ids(corpus: Corpus, size: int, vocab_size: int, always: set[int]) -
 
 # ---------------------------------------------------------------------------- model
 class _Layer(nn.Module):
-    def __init__(self, w) -> None:
+    def __init__(self, w) -> None:  # dense(): a serving engine may have packed the target's layers
         super().__init__()
         self.input_norm = nn.Parameter(w.input_norm.float().clone())
-        self.wqkv = nn.Parameter(w.wqkv.float().clone())
+        self.wqkv = nn.Parameter(dense(w.wqkv).float().clone())
         self.bqkv = None if w.bqkv is None else nn.Parameter(w.bqkv.float().clone())
-        self.wo = nn.Parameter(w.wo.float().clone())
+        self.wo = nn.Parameter(dense(w.wo).float().clone())
         self.post_norm = nn.Parameter(w.post_norm.float().clone())
-        self.w_gate_up = nn.Parameter(w.w_gate_up.float().clone())
-        self.w_down = nn.Parameter(w.w_down.float().clone())
+        self.w_gate_up = nn.Parameter(dense(w.w_gate_up).float().clone())
+        self.w_down = nn.Parameter(dense(w.w_down).float().clone())
 
 
 class DraftNet(nn.Module):

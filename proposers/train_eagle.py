@@ -45,7 +45,7 @@ from torch import nn
 
 from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _figures, _Layer, _Progress, fit, length_groups,
                              load_or_build_corpus, round_to_bfloat16, vocab_subset, write_outputs)
-from verifier.models.llama import LlamaModel, rotate_half
+from verifier.models.llama import LlamaModel, dense, rotate_half
 from verifier.models.tokenizer import Tokenizer
 
 
@@ -322,10 +322,10 @@ def start_from(net: EagleNet, path: str | pathlib.Path, target: LlamaModel, toke
     w = head.model.layers[0]
     layer = net.layer
     with torch.no_grad():
-        net.fc_weight.copy_(head.fc_weight)
+        net.fc_weight.copy_(dense(head.fc_weight))
         net.fc_bias.copy_(head.fc_bias if head.fc_bias is not None else torch.zeros_like(net.fc_bias))
         for name in ("wqkv", "wo", "post_norm", "w_gate_up", "w_down"):
-            getattr(layer, name).copy_(getattr(w, name))
+            getattr(layer, name).copy_(dense(getattr(w, name)))
         if (layer.bqkv is None) != (w.bqkv is None):
             raise ValueError(f"{path}: the head's q/k/v biases do not match the target layer's")
         if layer.bqkv is not None:

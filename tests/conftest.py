@@ -16,10 +16,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def model():
-    """The bundled SmolLM2-135M-Instruct in float32 (exactness tests run in fp32)."""
+    """The bundled SmolLM2-135M-Instruct in float32 (exactness tests run in fp32), its
+    weights packed for oneDNN as a serving engine packs them (`LlamaModel.pack_weights`),
+    so every test sees it in one state whichever builds an engine first."""
     from verifier.models.loader import load_model
 
-    return load_model(None, "float32")
+    m = load_model(None, "float32")
+    m.pack_weights()
+    return m
 
 
 @pytest.fixture(scope="session")

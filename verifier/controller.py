@@ -35,8 +35,9 @@ beside it (measured in the engine at 32 slots on code_edit: auto verified about 
 in each pass that carried prompts, where a decode pass of 32 took 0-11, and lost to `off`).
 
 Cheap methods are asked first and trimmed after. Weighing a draft by p_i before knowing
-whether it comes spreads its cost over the step of T: on a CPU verifier a pass of 9-16
-tokens costs the same (rows padded to 16, `LlamaModel.gemm_rows`), so a draft that comes
+whether it comes spreads its cost over the step of T: on a CPU verifier whose GEMMs run
+through MKL a pass of 9-16 tokens costs the same (rows padded to 16,
+`LlamaModel.gemm_rows`; with oneDNN T is flat from 1 to about 8 tokens), so a draft that comes
 one round in ten is worth verifying in full, yet T(1 + 0.1 k) makes it look expensive. So a method whose round trip
 is at most `shadow_latency_share` of T(1) (n-gram lookup) is asked for the whole cap
 whenever its drafts would pay given that they come: the same walk over every cheap
@@ -77,8 +78,8 @@ k is the tree's depth, c_i(j) the acceptance of depth j given depths 1..j-1 (a t
 counts as a chain of its depth), and depth j costs the pass as many tokens as the tree has
 nodes there: `trim` reads them from the trees received (`levels`), and the controller keeps
 each method's last ones to price its depths in `plan` (a method not seen drafting a tree
-costs one token per depth). On a CPU verifier depths of many nodes seldom pay: rows past 4
-cost (`LlamaModel.gemm_rows`).
+costs one token per depth). On a CPU verifier whose GEMMs run through MKL depths of many
+nodes seldom pay: rows past 4 cost (`LlamaModel.gemm_rows`).
 
 A request's own `speculation` always wins: `mode: off` (or `max_k: 0`) gives k = 0,
 `mode: on` a fixed k = its `max_k` (else `k`), `method` pins the method, and `max_k`

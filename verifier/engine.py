@@ -209,6 +209,7 @@ class Engine:
         observer: EngineObserver | None = None,
     ) -> None:
         self.model = model
+        model.pack_weights()  # oneDNN on CPU in float32 (a no-op elsewhere)
         #: Receives step, round, proposer-call and request events (metrics); no-op by default.
         self.observer = observer or EngineObserver()
         self.tokenizer = tokenizer

@@ -119,6 +119,25 @@ def test_engine_bench_takes_the_draft_model_to_use(tmp_path):
     assert rows["draft:3"]["acceptance_rate"] >= 0.8 and rows["draft:3"]["mean_acceptance_length"] > 2.5
 
 
+def test_engine_bench_interleave_runs_every_request_in_every_mode(tmp_path):
+    # 3 requests at batch 2: groups of 2 and 1, each run in both modes before the next.
+    # Each mode's row sums its groups: all 3 requests, compared with `off` one by one.
+    out = tmp_path / "bench.json"
+    proc = splitspec("engine-bench", "--workload", "code_edit", "--batch", "2", "--interleave", "--requests", "3",
+                     "--repeats", "1", "--max-tokens", "8", "--no-hf", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["args"]["interleave"] is True and report["greedy_mismatches"] == 0
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"off", "ngram:4"}
+    for r in rows.values():
+        assert r["num_requests"] == 3 and r["batch"] == 2 and r["output_tokens"] <= 3 * 8 and r["wall_s"] > 0
+    # Two groups: at least one prefill pass each, and 8 tokens need 7 decode passes.
+    assert rows["off"]["passes"] >= 2 * 8
+    proc = splitspec("engine-bench", "--interleave", "--continuous", "--no-hf")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: interleave: "), proc.stderr
+
+
 def test_engine_bench_continuous_serves_every_request_to_its_clients(tmp_path):
     # 3 requests to 2 clients: the third starts when either client's first finishes. The
     # outputs are compared with `off` request by request, so a lost or reordered result

@@ -488,10 +488,13 @@ def test_goodput_controller_on_the_real_model(model, tokenizer, code_prompt, cha
     results = engine.generate_sync(prompts, params)
     assert [r.token_ids for r in results] == expected
     t = engine.controller.step_time
-    # The grid 1, 2, 4, 8, 16 at the model's padded row counts (2 pads to 4), and the
-    # model prices a pass at its padded size.
-    assert t is not None and [n for n, _ in t.points()][:4] == [1, 4, 8, 16] and t(1) > 0
-    assert t(2) == t(4) and t(9) == t(16)
+    # The grid 1, 2, 4, 8, 16 at the row counts the model runs its GEMMs at (packed for
+    # oneDNN: one row pads to two; MKL: 2 pads to 4, 9 to 16), and the model prices a pass
+    # at its padded size.
+    grid = sorted({model.gemm_rows(n) for n in (1, 2, 4, 8, 16)})
+    assert model.gemm_rows(1) == 2 if model.packed else model.gemm_rows(2) == 4
+    assert t is not None and [n for n, _ in t.points()][: len(grid)] == grid and t(1) > 0
+    assert all(t(n) == t(model.gemm_rows(n)) for n in (1, 2, 3, 9))
     code = results[0].stats
     assert code.accepted > 0 and code.rounds_by_method == {"ngram": code.rounds_with_drafts}
     for r in results:

@@ -24,7 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from verifier.errors import ModelLoadError
 from verifier.models.config import ModelConfig, RopeScaling, rope_attention_scaling, rope_inv_freq
-from verifier.models.llama import LlamaModel, gemm_rows, lm_head_rows
+from verifier.models.llama import LlamaModel, dense, gemm_rows, linear, lm_head_rows, onednn_available, pack_weight
 from verifier.models.loader import load_model
 
 # fp32 logits of the bundled model vs HF on the same GGUF: measured max abs error 3e-5 to
@@ -294,12 +294,23 @@ def test_chunked_prefill_matches_one_shot(model, prompts):
     assert err < BATCH_ATOL, f"{err=}"
 
 
-@pytest.mark.parametrize("n, rows", [(2, 4), (5, 8), (9, 16), (17, 24)])
-def test_decode_steps_match_one_padded_pass(model, prompts, n, rows):
-    """A verification pass of n tokens (its GEMMs padded to `rows` rows, the LM head's
-    too) equals n one-token decode steps (GEMMs unpadded, LM head padded 1 -> 2), row for
-    row."""
-    assert model.gemm_rows(n) == rows
+@pytest.fixture(scope="session")
+def mkl_model():
+    """The bundled model with its linears left to MKL (not packed)."""
+    return load_model(None, "float32")
+
+
+@pytest.mark.parametrize("n, mkl_rows", [(2, 4), (5, 8), (9, 16), (17, 24)])
+@pytest.mark.parametrize("backend", ["onednn", "mkl"])
+def test_decode_steps_match_one_padded_pass(request, prompts, backend, n, mkl_rows):
+    """A verification pass of n tokens equals n one-token decode steps, row for row. MKL
+    pads the pass's GEMMs to `mkl_rows` rows (the LM head's too) and runs the steps'
+    unpadded (LM head padded 1 -> 2); packed oneDNN weights pad nothing but a lone row."""
+    model = request.getfixturevalue("model" if backend == "onednn" else "mkl_model")
+    if backend == "onednn" and not model.packed:
+        pytest.skip("this torch has no oneDNN packed linear")
+    assert not model.packed if backend == "mkl" else model.gemm_rows(1) == model.lm_head_rows(1) == 2
+    assert model.gemm_rows(n) == (mkl_rows if backend == "mkl" else n)
     token_ids = prompts["chat"]
     prefix, tail = token_ids[:-n], token_ids[-n:]
     cache = model.new_cache(num_slots=2, max_len=len(token_ids))
@@ -399,6 +410,45 @@ def test_a_tree_must_list_parents_first(model, prompts):
         model.forward(ids_tensor(code[40:43]), [slot], [3], cache, trees=[(40, [-1, 0])])
 
 
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN packed linear")
+@pytest.mark.parametrize("n, k", [(3072, 576), (576, 1536), (896, 4864)])
+def test_packed_linear(n, k):
+    """A packed weight unpacks bit for bit, gives MKL's product to rounding, and (from two
+    rows up) the same numbers for a row whatever the row count, as measured here."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g)
+    x = torch.randn(40, k, generator=g)
+    packed = pack_weight(w)
+    assert packed.is_mkldnn and torch.equal(dense(packed), w) and dense(w) is w
+    got, ref = linear(x, packed, b), x @ w.t() + b
+    assert got.shape == (40, n) and torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    two = linear(x[:2], packed, b)
+    for rows in (3, 8, 17, 40):
+        assert torch.equal(linear(x[:rows], packed, b)[:2], two), f"{rows} rows"
+
+
+def test_pack_weights_only_where_it_serves(tmp_path, monkeypatch):
+    """Packing is for CPU float32 inference: not a bfloat16 model, not weights that need a
+    gradient, not with SPLITSPEC_CPU_GEMM=mkl; it packs the layers in place, the LM head
+    into a copy, and is idempotent."""
+    build_tiny(*TINY_VARIANTS["qwen2"]).save_pretrained(tmp_path, safe_serialization=True)
+    assert not load_model(tmp_path, "bfloat16").pack_weights()
+    grad = load_model(tmp_path, "float32")
+    grad.layers[0].wqkv.requires_grad_(True)
+    assert not grad.pack_weights() and not grad.packed
+    monkeypatch.setenv("SPLITSPEC_CPU_GEMM", "mkl")
+    assert not onednn_available() and not load_model(tmp_path, "float32").pack_weights()
+    monkeypatch.delenv("SPLITSPEC_CPU_GEMM")
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN packed linear")
+    m = load_model(tmp_path, "float32")
+    head, wqkv = m.lm_head, m.layers[0].wqkv
+    assert m.pack_weights() and m.packed and m.pack_weights()
+    assert m.lm_head is head and not head.is_mkldnn and torch.equal(dense(m.lm_head_packed), head)
+    assert all(w.is_mkldnn for layer in m.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    assert torch.equal(dense(m.layers[0].wqkv), wqkv)
+
+
 def test_gemm_rows_pads_to_the_fast_sizes():
     # By hand from the rule: 1 stays, 2-4 -> 4, 5-8 -> 8, 9-16 -> 16, then multiples of 8.
     assert [gemm_rows(n) for n in (1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 24, 25, 113)] == [
@@ -424,13 +474,14 @@ def test_safetensors_dir_loads_the_same_model_as_gguf(model, hf_model, prompts, 
     (tmp_path / "config.json").write_text(hf_model.config.to_json_string())
 
     loaded = load_model(tmp_path, "float32")
+    assert loaded.pack_weights() == model.packed  # as the fixture's
     c, ref_c = loaded.config, model.config
     assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta) == (
         ref_c.architecture, ref_c.num_layers, ref_c.num_heads, ref_c.num_kv_heads, ref_c.head_dim, ref_c.rope_theta
     )
     assert loaded.lm_head is loaded.embed
     for i, (a, b) in enumerate(zip(loaded.layers, model.layers)):
-        assert torch.equal(a.wqkv, b.wqkv), f"layer {i}: q/k/v weights differ"
+        assert torch.equal(dense(a.wqkv), dense(b.wqkv)), f"layer {i}: q/k/v weights differ"
     assert torch.equal(loaded.embed, model.embed)
     token_ids = prompts["chat"]
     # Same weights, same config values, same code: bit-identical logits (measured: 0).
@@ -525,6 +576,9 @@ def test_tiny_checkpoint_matches_hf(variant, tmp_path):
     ref = hf_logits(hf, token_ids.tolist())
     err = max_abs(logits, ref)
     assert err < TINY_ATOL, f"{variant}: {err=}"
+    if ours.pack_weights():  # oneDNN's linears, as the model serves
+        err = max_abs(prefill(ours, token_ids.tolist()), ref)
+        assert err < TINY_ATOL, f"{variant}, packed: {err=}"
 
     # The comparison can see RoPE: plain RoPE at theta 1e4 on the same weights is far off.
     plain = dataclasses.replace(c, rope_theta=10000.0, rope_scaling=RopeScaling())

@@ -4,8 +4,9 @@ One forward pass takes the new tokens of many sequences flattened into one row
 (`token_ids: [T]`), each sequence `i` contributing `num_tokens[i]` consecutive tokens that
 continue its KV-cache slot: prefill passes the whole prompt, a decode step 1 token, a
 verification round `[last, d1..dk]` (k + 1 tokens, k may differ per sequence and be 0).
-Linear layers run once over all T tokens (on CPU padded to `gemm_rows(T)` rows, the
-row counts MKL is fast at). Attention runs against each sequence's own cache slot: the
+Linear layers run once over all T tokens: on CPU in float32 through oneDNN with weights
+packed once at start (`LlamaModel.pack_weights`, `linear`), else through MKL padded to
+`gemm_rows(T)` rows, the row counts MKL is fast at. Attention runs against each sequence's own cache slot: the
 short spans of a pass (decode steps and verification rounds, 4 or more of them) as one
 batched product over their slot range, each query masked to its own causal prefix
 (`_SpanGroup.of`); the verification rounds too wide for that range (2 or more) as a second
@@ -204,13 +205,50 @@ def lm_head_rows(n: int) -> int:
     return 2 if n == 1 else gemm_rows(n)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T -> [M, N] (a transposed view).
+# oneDNN's fp32 inner product with weights packed once (`pack_weight`), measured here on
+# SmolLM2-135M's shapes (30 layers' four linears, median of 7, ms) against MKL's W @ x^T:
+#   rows  1: 25 | 38    2: 21 | 21    4: 19 | 32    5: 19 | 42    8: 29 | 67
+#   rows 13: 37 | 87   16: 35 | 52   25: 46 | 88   32: 53 | 71   64: 89 | 117   256: 306 | 399
+# Flat to 8 rows and no slow row counts, so nothing is padded but one row to two: a
+# single row takes a GEMV kernel whose sums over K >= 1536 (SmolLM2's down projection)
+# are ordered differently, while from two rows up each row's result is bit-identical
+# whatever the row count (checked for M = 2..300 on the bundled and Qwen2.5 shapes): a
+# k + 1-token verification pass computes the very numbers k + 1 decode steps would.
 
-    Computed as weight @ x^T: with the weight as the left operand MKL streams it once
-    instead of packing it, 1.5-3x faster than `F.linear` for small M here (LM head,
-    5 rows: 14 ms vs 42 ms).
+
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's packed fp32 linear (CPU builds on x86 and ARM).
+    `SPLITSPEC_CPU_GEMM=mkl` turns it off (every linear then runs through MKL)."""
+    import os
+
+    if os.environ.get("SPLITSPEC_CPU_GEMM", "onednn").lower() == "mkl":
+        return False
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+            and hasattr(ops, "_reorder_linear_weight"))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] (CPU, float32) in oneDNN's blocked layout for `linear` (an opaque
+    tensor: `dense` gives the original back, bit for bit)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+def dense(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as a plain strided tensor, unpacking a `pack_weight` one."""
+    return weight.to_dense() if weight.is_mkldnn else weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N].
+
+    A packed weight (`pack_weight`) runs oneDNN's inner product. A plain one is computed
+    as weight @ x^T (a transposed view): with the weight as the left operand MKL streams
+    it once instead of packing it, 1.5-3x faster than `F.linear` for small M here (LM
+    head, 5 rows: 14 ms vs 42 ms).
     """
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     y = torch.mm(weight, x.t()).t()
     return y if bias is None else y + bias
 
@@ -315,6 +353,8 @@ class LlamaModel:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head  # [V, hidden]; the same tensor as embed when tied
+        #: `lm_head` packed for oneDNN (`pack_weights`); None: the linears run through MKL.
+        self.lm_head_packed: torch.Tensor | None = None
         inv_freq = rope_inv_freq(config, rope_freq_factors)
         positions = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_position, D/2] float32
@@ -327,13 +367,49 @@ class LlamaModel:
     def device(self) -> torch.device:
         return self.embed.device
 
+    @property
+    def packed(self) -> bool:
+        """Whether the linears run through oneDNN with packed weights (`pack_weights`)."""
+        return self.lm_head_packed is not None
+
+    def pack_weights(self) -> bool:
+        """Pack the linear layers' weights for oneDNN (`pack_weight`), in place, once; the
+        LM head is packed into a copy (`lm_head_packed`), since the embedding lookup and the
+        proposers built on this model read `lm_head` as it is. Only CPU float32 models whose
+        weights need no gradient; returns whether the model is packed. A layer's weights are
+        then opaque tensors: read them through `dense`.
+
+        Call it where a model starts serving (the engine, the model proposers); training
+        code reads the layers as plain tensors. Layers shared with another model (e.g.
+        `proposers.draft_model.with_layers`) are packed for both.
+        """
+        if self.packed:
+            return True
+        weights = [self.lm_head] + [w for layer in self.layers for w in
+                                    (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        if (self.device.type != "cpu" or self.dtype != torch.float32 or not onednn_available()
+                or any(w.requires_grad for w in weights)):
+            return False
+        for layer in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                w = getattr(layer, name)
+                if not w.is_mkldnn:
+                    setattr(layer, name, pack_weight(w))
+        self.lm_head_packed = pack_weight(self.lm_head)
+        return True
+
     def gemm_rows(self, n: int) -> int:
-        """Rows the linear layers run at for a pass of n tokens (padded on CPU only)."""
-        return gemm_rows(n) if self.device.type == "cpu" else n
+        """Rows the linear layers run at for a pass of n tokens (padded on CPU only; packed
+        weights pad one row to two: see the measurements above `onednn_available`)."""
+        if self.device.type != "cpu":
+            return n
+        return max(n, 2) if self.packed else gemm_rows(n)
 
     def lm_head_rows(self, n: int) -> int:
         """Rows the LM head runs at for n wanted logits (padded on CPU only)."""
-        return lm_head_rows(n) if self.device.type == "cpu" else n
+        if self.device.type != "cpu":
+            return n
+        return max(n, 2) if self.packed else lm_head_rows(n)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.config
@@ -433,7 +509,8 @@ class LlamaModel:
             return x if self.final_norm is None else rms_norm(x, self.final_norm, c.rms_norm_eps)
 
         R = logits_index.shape[0]
-        logits = linear(_pad_rows(final(logits_index), self.lm_head_rows(R)), self.lm_head)[:R].float()
+        head = self.lm_head if self.lm_head_packed is None else self.lm_head_packed
+        logits = linear(_pad_rows(final(logits_index), self.lm_head_rows(R)), head)[:R].float()
         return logits if hidden_index is None else (logits, final(hidden_index))
 
     def _attention(
