@@ -119,39 +119,36 @@ def test_engine_bench_takes_the_draft_model_to_use(tmp_path):
     assert rows["draft:3"]["acceptance_rate"] >= 0.8 and rows["draft:3"]["mean_acceptance_length"] > 2.5
 
 
-def test_engine_bench_interleave_runs_every_request_in_every_mode(tmp_path):
-    # 3 requests at batch 2: groups of 2 and 1, each run in both modes before the next.
-    # Each mode's row sums its groups: all 3 requests, compared with `off` one by one.
+def _bench_3_requests_at_batch_2(tmp_path, flag: str, max_tokens: int) -> dict[str, dict]:
+    """engine-bench's rows by mode for 3 code_edit requests at batch 2 with `flag`
+    (`--interleave` or `--continuous`), after checking that both modes served all 3 and
+    gave `off`'s tokens request by request (a lost or reordered result would show as a
+    mismatch or a short row)."""
     out = tmp_path / "bench.json"
-    proc = splitspec("engine-bench", "--workload", "code_edit", "--batch", "2", "--interleave", "--requests", "3",
-                     "--repeats", "1", "--max-tokens", "8", "--no-hf", "--json", str(out))
+    proc = splitspec("engine-bench", "--workload", "code_edit", "--batch", "2", flag, "--requests", "3",
+                     "--repeats", "1", "--max-tokens", str(max_tokens), "--no-hf", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
-    assert report["args"]["interleave"] is True and report["greedy_mismatches"] == 0
+    assert report["args"][flag.removeprefix("--")] is True and report["greedy_mismatches"] == 0
     rows = {r["mode"]: r for r in report["rows"]}
     assert set(rows) == {"off", "ngram:4"}
     for r in rows.values():
-        assert r["num_requests"] == 3 and r["batch"] == 2 and r["output_tokens"] <= 3 * 8 and r["wall_s"] > 0
+        assert r["num_requests"] == 3 and r["batch"] == 2 and r["output_tokens"] <= 3 * max_tokens
+    return rows
+
+
+def test_engine_bench_interleave_runs_every_request_in_every_mode(tmp_path):
+    # Groups of 2 and 1, each run in both modes before the next; a mode's row sums its groups.
+    rows = _bench_3_requests_at_batch_2(tmp_path, "--interleave", 8)
     # Two groups: at least one prefill pass each, and 8 tokens need 7 decode passes.
-    assert rows["off"]["passes"] >= 2 * 8
+    assert rows["off"]["passes"] >= 2 * 8 and rows["off"]["wall_s"] > 0
     proc = splitspec("engine-bench", "--interleave", "--continuous", "--no-hf")
     assert proc.returncode == 2 and proc.stderr.startswith("error: interleave: "), proc.stderr
 
 
 def test_engine_bench_continuous_serves_every_request_to_its_clients(tmp_path):
-    # 3 requests to 2 clients: the third starts when either client's first finishes. The
-    # outputs are compared with `off` request by request, so a lost or reordered result
-    # would show as a mismatch or a short row.
-    out = tmp_path / "bench.json"
-    proc = splitspec("engine-bench", "--workload", "code_edit", "--batch", "2", "--continuous", "--requests", "3",
-                     "--repeats", "1", "--max-tokens", "12", "--no-hf", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert report["args"]["continuous"] is True and report["greedy_mismatches"] == 0
-    rows = {r["mode"]: r for r in report["rows"]}
-    assert set(rows) == {"off", "ngram:4"}
-    for r in rows.values():
-        assert r["num_requests"] == 3 and r["batch"] == 2
+    # 3 requests to 2 clients: the third starts when either client's first finishes.
+    rows = _bench_3_requests_at_batch_2(tmp_path, "--continuous", 12)
     # Without drafts, a pass emits one token per running sequence: 3 requests of 12
     # tokens (unless one stops early) need at least 36 / 2 = 18 passes, prompts included.
     assert rows["off"]["passes"] >= -(-rows["off"]["output_tokens"] // 2)
