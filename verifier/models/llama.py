@@ -212,8 +212,9 @@ def lm_head_rows(n: int) -> int:
 # Flat to 8 rows and no slow row counts, so nothing is padded but one row to two: a
 # single row takes a GEMV kernel whose sums over K >= 1536 (SmolLM2's down projection)
 # are ordered differently, while from two rows up each row's result is bit-identical
-# whatever the row count (checked for M = 2..300 on the bundled and Qwen2.5 shapes): a
-# k + 1-token verification pass computes the very numbers k + 1 decode steps would.
+# whatever the row count (checked for M = 2..300 on the bundled and Qwen2.5 shapes): the
+# linears of a k + 1-token verification pass compute the very numbers those of k + 1
+# decode steps would (attention still rounds differently between the two).
 
 
 def onednn_available() -> bool:
