@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
                 # Interleaved: each group of `batch` requests in every mode before the next
                 # group (the order alternating), so the machine's drift falls on every mode.
                 groups = ([prompts[w][i : i + batch] for i in range(0, len(prompts[w]), batch)]
-                          if args.interleave and not args.continuous else [prompts[w]])
+                          if args.interleave else [prompts[w]])  # `_defaults` refuses it with --continuous
                 for g, group in enumerate(groups):
                     for mode in order if g % 2 == 0 else order[::-1]:
                         res, wall = _run_engine(engines[mode], group, params, batch, args.continuous)

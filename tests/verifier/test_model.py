@@ -24,7 +24,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from verifier.errors import ModelLoadError
 from verifier.models.config import ModelConfig, RopeScaling, rope_attention_scaling, rope_inv_freq
-from verifier.models.llama import LlamaModel, dense, gemm_rows, linear, lm_head_rows, onednn_available, pack_weight
+from verifier.models.llama import (LINEAR_WEIGHTS, LlamaModel, dense, gemm_rows, linear, lm_head_rows,
+                                   onednn_available, pack_weight)
 from verifier.models.loader import load_model
 
 # fp32 logits of the bundled model vs HF on the same GGUF: measured max abs error 3e-5 to
@@ -445,7 +446,7 @@ def test_pack_weights_only_where_it_serves(tmp_path, monkeypatch):
     head, wqkv = m.lm_head, m.layers[0].wqkv
     assert m.pack_weights() and m.packed and m.pack_weights()
     assert m.lm_head is head and not head.is_mkldnn and torch.equal(dense(m.lm_head_packed), head)
-    assert all(w.is_mkldnn for layer in m.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    assert all(getattr(layer, name).is_mkldnn for layer in m.layers for name in LINEAR_WEIGHTS)
     assert torch.equal(dense(m.layers[0].wqkv), wqkv)
 
 

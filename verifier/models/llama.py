@@ -38,6 +38,10 @@ from verifier.models.config import ModelConfig, rope_attention_scaling, rope_inv
 from verifier.token_tree import tree_ancestors, tree_depths
 
 
+#: The `LayerWeights` fields that are linear-layer weights (packed by `LlamaModel.pack_weights`).
+LINEAR_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
 @dataclasses.dataclass
 class LayerWeights:
     input_norm: torch.Tensor | None  # [hidden]; None: no norm (an EAGLE head's first layer)
@@ -386,16 +390,14 @@ class LlamaModel:
         """
         if self.packed:
             return True
-        weights = [self.lm_head] + [w for layer in self.layers for w in
-                                    (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        linears = [(layer, name) for layer in self.layers for name in LINEAR_WEIGHTS]
         if (self.device.type != "cpu" or self.dtype != torch.float32 or not onednn_available()
-                or any(w.requires_grad for w in weights)):
+                or self.lm_head.requires_grad or any(getattr(l, n).requires_grad for l, n in linears)):
             return False
-        for layer in self.layers:
-            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                w = getattr(layer, name)
-                if not w.is_mkldnn:
-                    setattr(layer, name, pack_weight(w))
+        for layer, name in linears:
+            w = getattr(layer, name)
+            if not w.is_mkldnn:
+                setattr(layer, name, pack_weight(w))
         self.lm_head_packed = pack_weight(self.lm_head)
         return True
 
@@ -407,10 +409,11 @@ class LlamaModel:
         return max(n, 2) if self.packed else gemm_rows(n)
 
     def lm_head_rows(self, n: int) -> int:
-        """Rows the LM head runs at for n wanted logits (padded on CPU only)."""
-        if self.device.type != "cpu":
-            return n
-        return max(n, 2) if self.packed else lm_head_rows(n)
+        """Rows the LM head runs at for n wanted logits (padded on CPU only; packed: as the
+        other linears)."""
+        if self.packed:
+            return self.gemm_rows(n)
+        return lm_head_rows(n) if self.device.type == "cpu" else n
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.config
