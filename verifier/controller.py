@@ -71,14 +71,18 @@ Probes of a costly method (a model proposer) share calls: its call costs the rou
 proposer's time whatever the number of sequences in it, so a sequence due for a probe
 waits until `probe_interval` rounds have passed since the method's last probe round, and
 every sequence due then is probed in that one call. One probe call per method per
-`probe_interval` rounds, not one per sequence.
+`probe_interval` rounds, not one per sequence. A round admits only as many probes as would
+pay if all their drafts were accepted: a token tree's probe adds its nodes to the pass
+(8 for a (4, 1, 1) tree at depth 2), and a full batch of them can cost the pass several
+times what they could give back.
 
 Token trees (a proposer that drafts several candidates per position, `verifier.token_tree`):
 k is the tree's depth, c_i(j) the acceptance of depth j given depths 1..j-1 (a tree round
 counts as a chain of its depth), and depth j costs the pass as many tokens as the tree has
 nodes there: `trim` reads them from the trees received (`levels`), and the controller keeps
 each method's last ones to price its depths in `plan` (a method not seen drafting a tree
-costs one token per depth). On a CPU verifier whose GEMMs run through MKL depths of many
+costs one token per depth; `_why_nobody` likewise prices a batch's drafts at a tree's
+nodes). On a CPU verifier whose GEMMs run through MKL depths of many
 nodes seldom pay: rows past 4 cost (`LlamaModel.gemm_rows`).
 
 A request's own `speculation` always wins: `mode: off` (or `max_k: 0`) gives k = 0,
@@ -813,18 +817,32 @@ class Controller:
         cheap: list[tuple[int, str, AcceptanceEstimate, float, int]] = []
         chosen: dict[int, str] = {}
         caps: dict[int, int] = {}  # of the sequences the maximisation decides (not probed)
+        # The probes admitted so far: their drafts' tokens in the pass and the most they can emit.
+        probed = {"tokens": 0.0, "emit": 0.0}
+        base_tokens, base_expected = fixed_tokens, fixed_expected
+        base_goodput = base_expected / (t(base_tokens) + self._calls_s(fixed_methods))
+
+        def affordable(method: str, k: int) -> bool:
+            # Would this round's probes, this one included, pay if every draft were accepted?
+            calls = dict(fixed_methods)
+            _ask(calls, method, k)
+            tokens = base_tokens + probed["tokens"] + self.tokens(method, k)
+            return (base_expected + probed["emit"] + k) / (t(tokens) + self._calls_s(calls)) > base_goodput
+
         for i in auto:
             v = seqs[i]
             state = self._state(v.seq_id)
             method = self._choose_method(v, live)
             chosen[i] = method
-            probe = self._probe(v, state, live, method)
+            probe = self._probe(v, state, live, method, affordable)
             if probe is not None:
                 decisions[i] = probe
                 self._mark(v.seq_id, probe.method, on=state.on)
                 est = self._estimate(state, probe.method)
                 fixed_tokens += est.p * self.tokens(probe.method, probe.k)
                 fixed_expected += est.p * sum(est.alphas(probe.k))
+                probed["tokens"] += self.tokens(probe.method, probe.k)
+                probed["emit"] += probe.k
                 _ask(fixed_methods, probe.method, probe.k)
                 continue
             cap = caps[i] = min(self._cap(v), s.max_k)
@@ -883,7 +901,8 @@ class Controller:
             if best_d == 0 and key not in reasons:
                 # k drafts of the batch: at least ceil(k / sequences) from one of them.
                 reasons[key] = self._why_nobody(t, total_cap, lambda k, m=key: self.latency_s(m, -(-k // len(caps))),
-                                                fixed_expected, fixed_tokens, self._calls_s(fixed_methods))
+                                                fixed_expected, fixed_tokens, self._calls_s(fixed_methods),
+                                                lambda k, m=key: self._batch_tokens(m, k, len(caps)))
             # With drafts elsewhere in the batch, others' drafts were simply worth more.
             reason = "low_acceptance" if best_d > 0 else reasons[key]
             state.off_reason = reason
@@ -892,19 +911,28 @@ class Controller:
             else:
                 decisions[i] = Decision(None, 0, reason)
 
+    def _batch_tokens(self, method: str, k: int, num_seqs: int) -> int:
+        """The fewest tokens in which `num_seqs` sequences verify k drafting positions of
+        `method` between them: k for a chain; for token trees, depth 1 of k sequences first
+        (one tree level each), then depth 2, and so on."""
+        full, rest = divmod(k, max(num_seqs, 1))
+        return num_seqs * self.tokens(method, full) + rest * self._level(method, full)
+
     @staticmethod
     def _why_nobody(t, cap: int, method_latency: Callable[[int], float], expected: float, tokens: float,
-                    latency: float) -> str:
+                    latency: float, draft_tokens: Callable[[int], float] = lambda k: k) -> str:
         """Why no sequence drafts: would k drafts pay if all were accepted (k up to `cap`,
-        the batch's caps together; `method_latency(k)` the method's round trip for them)?
-        If not even with a free proposer, verifying them costs more than they give (compute
+        the batch's caps together; `method_latency(k)` the method's round trip for them,
+        `draft_tokens(k)` the tokens they add to the pass: k, or a tree's nodes)? If not
+        even with a free proposer, verifying them costs more than they give (compute
         bound); if only with a free proposer, the proposer is too slow; else acceptance is
         low."""
         base = expected / (t(tokens) + latency)
 
         def pays(lat: Callable[[int], float]) -> bool:
             # A 0.1% margin: a break-even (T linear through 0, all accepted) does not pay.
-            return any((expected + k) / (t(tokens + k) + lat(k)) > base * 1.001 for k in range(1, cap + 1))
+            return any((expected + k) / (t(tokens + draft_tokens(k)) + lat(k)) > base * 1.001
+                       for k in range(1, cap + 1))
 
         if not pays(lambda k: latency):
             return "batch_compute_bound"
@@ -937,10 +965,13 @@ class Controller:
                 return m
         return None
 
-    def _probe(self, v: SequenceView, state: _SeqState, live: list[str], chosen: str) -> Decision | None:
+    def _probe(self, v: SequenceView, state: _SeqState, live: list[str], chosen: str,
+               affordable: Callable[[str, int], bool] = lambda m, k: True) -> Decision | None:
         """A cheap draft for an off sequence (has its acceptance recovered?) or for a method
         the sequence has not used lately (is it better now?), once per `probe_interval`;
-        none where shadow drafts measure the same for free."""
+        none where shadow drafts measure the same for free, nor where the round's probes
+        would not pay even if all their drafts were accepted (`affordable`: e.g. token
+        trees in a full batch, where each probe adds a tree's nodes to the pass)."""
         s = self.settings
         k = min(s.probe_k, self._cap(v), s.max_k)
         if k == 0:
@@ -954,13 +985,13 @@ class Controller:
             gap = s.probe_interval if state.off_measured else min(
                 s.probe_interval, 2 ** self._estimate(state, chosen).rounds)
             if (state.off_reason != "batch_compute_bound" and state.idle.get(chosen, 0) >= gap
-                    and not self._can_shadow(v, chosen) and self._probe_call(chosen, gap)):
+                    and not self._can_shadow(v, chosen) and affordable(chosen, k) and self._probe_call(chosen, gap)):
                 return Decision(chosen, k, "probe")
             return None
         if v.method is None:
             for m in live:
                 if (m != chosen and state.idle.get(m, 0) >= s.probe_interval and not self._can_shadow(v, m)
-                        and self._probe_call(m)):
+                        and affordable(m, k) and self._probe_call(m)):
                     return Decision(m, k, "probe")
         return None
 

@@ -20,7 +20,7 @@ def test_defaults_serve_the_bundled_model_with_ngram():
 
 
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-cluster.yaml", "bench-cpu.yaml", "bench-cpu-eagle.yaml",
-                                  "bench-cpu-all.yaml"])
+                                  "bench-cpu-eagle-tree.yaml", "bench-cpu-all.yaml"])
 def test_shipped_examples_validate(name):
     c = load_config(CONFIG_DIR / name)
     assert isinstance(c, SplitspecConfig) and c.proposers

@@ -638,3 +638,50 @@ def test_due_probes_of_a_costly_method_share_one_call():
                     probed.setdefault(round_, []).append(v.seq_id)
     everyone = [v.seq_id for v in views]
     assert probed == {8: ["s0"], 16: everyone, 24: everyone, 32: everyone, 40: everyone}
+
+
+def test_probes_go_only_as_far_as_they_would_pay_if_accepted():
+    # Eight sequences whose every draft is rejected, so they are soon off for low acceptance
+    # and re-measured by probes (probe_k = 2, a costly method: no shadows). T is flat to 16
+    # tokens, then steep: T(8) = 50.93 ms, T(16) = 52 ms, T(24) = 76.67 ms; L = 1 ms. No
+    # drafts: 8 / T(8) = 157.1 tokens/s. A probe emits at most its 2 drafts, so probes pay,
+    # if all accepted, while (8 + 2 p) / (T(8 + tokens) + L) > 157.1 for p of them:
+    #   chain (2 tokens a probe): p = 8 -> 24 / 77.67 ms = 309: all 8 go in one round;
+    #   tree (4, 1, 1) (depth 2 = 8 nodes): p = 1 -> 10 / 53 ms = 188.7 goes,
+    #   p = 2 -> 12 / 77.67 ms = 154.5 does not: one probe a round at most.
+    # Without the check every due sequence joined the probe round: 8 trees of 8 nodes, 72
+    # tokens, 4.4x the pass of no drafts (T(72) = 224.7 ms) for at most 16 more tokens.
+    step = StepTimeModel([(1, 0.050), (16, 0.052), (64, 0.200)])
+    most = {}
+    for name, levels in (("chain", None), ("tree", [4, 4, 4])):
+        c = _controller(step, methods=("eagle",))
+        if levels is not None:
+            c.trim([("setup", "eagle", 3, "static")], levels=[levels])
+        assert c.tokens("eagle", 2) == (2 if levels is None else 8)
+        views = [SequenceView(f"s{i}") for i in range(8)]
+        per_round = []
+        for _ in range(40):
+            decisions = c.plan(views)
+            for v, d in zip(views, decisions):
+                if d.k:
+                    c.observe_round(v.seq_id, d.method, d.k, 0)
+            per_round.append(sum(d.reason == "probe" for d in decisions))
+        most[name] = max(per_round)
+        assert sum(per_round) > 0, name  # off sequences are still re-measured
+    assert most == {"chain": 8, "tree": 1}
+
+
+def test_a_tree_too_wide_for_the_batch_is_compute_bound():
+    # T(n) = 10 ms + 2 ms n, L = 1 ms. A batch of 8 without drafts: 8 / 26 ms = 307.7
+    # tokens/s. Every draft accepted, a chain's first pays: 9 / (28 + 1) ms = 310.3, so the
+    # sequences are off for their acceptance (the prior 0.6: 8.6 / 29 ms = 296.6 does not
+    # pay). A (4, 1, 1) tree's depth 1 costs 4 nodes: 9 / (34 + 1) ms = 257 even if
+    # accepted, and more depths or sequences only lower it (1 token for 4 nodes, then 1
+    # for 1 at 2 ms each against 307.7 tokens/s at 3.25 ms a token): compute bound.
+    step = StepTimeModel.linear(0.010, 0.002)
+    views = [SequenceView(f"s{i}") for i in range(8)]
+    chain = _controller(step, methods=("eagle",))
+    assert {d.reason for d in chain.plan(views)} == {"low_acceptance"}
+    tree = _controller(step, methods=("eagle",))
+    tree.trim([("setup", "eagle", 3, "static")], levels=[[4, 4, 4]])
+    assert {d.reason for d in tree.plan(views)} == {"batch_compute_bound"}
