@@ -818,7 +818,7 @@ class Controller:
         chosen: dict[int, str] = {}
         caps: dict[int, int] = {}  # of the sequences the maximisation decides (not probed)
         # The probes admitted so far: their drafts' tokens in the pass and the most they can emit.
-        probed = {"tokens": 0.0, "emit": 0.0}
+        probe_tokens = probe_emit = 0.0
         base_tokens, base_expected = fixed_tokens, fixed_expected
         base_goodput = base_expected / (t(base_tokens) + self._calls_s(fixed_methods))
 
@@ -826,8 +826,8 @@ class Controller:
             # Would this round's probes, this one included, pay if every draft were accepted?
             calls = dict(fixed_methods)
             _ask(calls, method, k)
-            tokens = base_tokens + probed["tokens"] + self.tokens(method, k)
-            return (base_expected + probed["emit"] + k) / (t(tokens) + self._calls_s(calls)) > base_goodput
+            tokens = base_tokens + probe_tokens + self.tokens(method, k)
+            return (base_expected + probe_emit + k) / (t(tokens) + self._calls_s(calls)) > base_goodput
 
         for i in auto:
             v = seqs[i]
@@ -841,8 +841,8 @@ class Controller:
                 est = self._estimate(state, probe.method)
                 fixed_tokens += est.p * self.tokens(probe.method, probe.k)
                 fixed_expected += est.p * sum(est.alphas(probe.k))
-                probed["tokens"] += self.tokens(probe.method, probe.k)
-                probed["emit"] += probe.k
+                probe_tokens += self.tokens(probe.method, probe.k)
+                probe_emit += probe.k
                 _ask(fixed_methods, probe.method, probe.k)
                 continue
             cap = caps[i] = min(self._cap(v), s.max_k)
