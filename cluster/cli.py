@@ -27,20 +27,29 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation", choices=(OFF, *sorted(PROPOSERS)), default="ngram")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (0 = no speculation)")
     p.add_argument("--tree", default=None, metavar="W,W,...",
-                   help="eagle only: draft token trees for greedy requests, W children per node at each depth "
+                   help="draft or eagle: draft token trees for greedy requests, W children per node at each depth "
                         "(e.g. 3,2,1; depth --k); default chains")
+    p.add_argument("--dynamic-tree", type=int, default=None, metavar="B",
+                   help="draft or eagle: dynamic token trees for greedy requests, the B most likely paths at each "
+                        "depth (e.g. 4; depth --k); default chains")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length per sequence")
 
 
 def _tree_arg(args: argparse.Namespace) -> tuple[int, ...] | None:
-    """`--tree W,W,...` as widths; InvalidRequestError naming `tree` otherwise."""
+    """`--tree W,W,...` as widths, after checking `--dynamic-tree`; InvalidRequestError
+    naming the parameter otherwise."""
     from proposers.registry import DRAFTS_TREES
 
+    for name, value in (("tree", args.tree), ("dynamic_tree", args.dynamic_tree)):
+        if value is not None and args.speculation not in DRAFTS_TREES:
+            raise InvalidRequestError(name, f"token trees are drafted by the model proposers, draft and eagle, only "
+                                            f"(speculation is {args.speculation!r})")
+    if args.dynamic_tree is not None and args.dynamic_tree < 1:
+        raise InvalidRequestError("dynamic_tree", f"must be >= 1, got {args.dynamic_tree}")
     if args.tree is None:
         return None
-    if args.speculation not in DRAFTS_TREES:
-        raise InvalidRequestError("tree", f"token trees are drafted by EAGLE heads only (speculation is "
-                                          f"{args.speculation!r})")
+    if args.dynamic_tree is not None:
+        raise InvalidRequestError("tree", "--tree and --dynamic-tree exclude each other")
     parts = args.tree.split(",")
     if not all(w.strip().isdigit() and int(w) > 0 for w in parts):
         raise InvalidRequestError("tree", f"must be comma-separated widths >= 1, e.g. 3,2,1; got {args.tree!r}")
@@ -70,7 +79,7 @@ def _generate(args: argparse.Namespace) -> int:
     tree = _tree_arg(args)
     engine = build_local_engine(LocalEngineSpec(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
-        k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree,
+        k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree, dynamic_tree=args.dynamic_tree,
     ))
     tok = engine.tokenizer
     if args.chat:
@@ -103,6 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
             "speculation": args.speculation if args.k > 0 else "off",
             "k": args.k,
             "tree": None if tree is None else list(tree),
+            "dynamic_tree": args.dynamic_tree,
             "dtype": args.dtype,
             "stats": summary,
         }))

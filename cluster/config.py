@@ -76,7 +76,7 @@ class ProposerConfig(_Strict):
     """One proposer deployment."""
 
     method: str = Field(..., description="Registered proposal method, e.g. 'ngram'.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Method options, e.g. {min_n: 2, max_n: 4} for ngram, {tree: [3, 2, 1]} for eagle.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Method options, e.g. {min_n: 2, max_n: 4} for ngram, {tree: [3, 2, 1]} or {dynamic_tree: 4} for draft or eagle.")
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of a model proposer (draft, eagle); null = Ray's default, "
         "resources.num_cpus rounded down, at least 1. N-gram never uses torch.")
@@ -100,14 +100,21 @@ class ProposerConfig(_Strict):
         if tree is not None and not (isinstance(tree, list) and tree and all(
                 isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in tree)):
             raise ValueError(f"tree must be a list of widths >= 1, e.g. [3, 2, 1] (given: {tree!r})")
+        dynamic = options.get("dynamic_tree")
+        if dynamic is not None and not (isinstance(dynamic, int) and not isinstance(dynamic, bool) and dynamic >= 1):
+            raise ValueError(f"dynamic_tree must be a number of nodes a depth >= 1, e.g. 4 (given: {dynamic!r})")
+        if tree is not None and dynamic is not None:
+            raise ValueError("tree and dynamic_tree exclude each other: fixed widths or a dynamic tree")
         return options
 
     @model_validator(mode="after")
-    def _trees_are_eagles(self) -> "ProposerConfig":
+    def _trees_are_drafted_by_models(self) -> "ProposerConfig":
         from proposers.registry import DRAFTS_TREES
 
-        if self.options.get("tree") is not None and self.method not in DRAFTS_TREES:
-            raise ValueError(f"options.tree: token trees are drafted by EAGLE heads only (method {self.method!r})")
+        for name in ("tree", "dynamic_tree"):
+            if self.options.get(name) is not None and self.method not in DRAFTS_TREES:
+                raise ValueError(f"options.{name}: token trees are drafted by the model proposers, draft and eagle, "
+                                 f"only (method {self.method!r})")
         return self
 
 

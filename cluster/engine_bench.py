@@ -130,7 +130,8 @@ def _run_hf(hf, prompts: list[list[int]], max_tokens: int, eos_ids) -> tuple[lis
 
 def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
     """One engine per mode: "off", "METHOD:K" (that proposer, static k), "METHOD:K:W-W-..."
-    (an EAGLE head drafting token trees of those widths, `DraftModelConfig.tree`, depth K)
+    (a draft model or EAGLE head drafting token trees of those widths, `DraftModelConfig.tree`,
+    depth K), "METHOD:K:dB" (dynamic trees of B nodes a depth, `DraftModelConfig.dynamic_tree`)
     or "auto" (the goodput controller choosing among every method named in the modes,
     else n-gram)."""
     from proposers.registry import build_proposer
@@ -138,8 +139,11 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
 
     config = EngineConfig(max_num_seqs=max(args.batch), max_model_len=args.max_model_len)
     methods = sorted({m.split(":")[0] for m in args.modes if ":" in m}) or ["ngram"]
-    proposers = {m: build_proposer(m, {"path": args.draft_model} if m == "draft" and args.draft_model else None)
-                 for m in methods}
+
+    def options(method: str) -> dict:
+        return {"path": args.draft_model} if method == "draft" and args.draft_model else {}
+
+    proposers = {m: build_proposer(m, options(m)) for m in methods}
     engines = {}
     for mode in args.modes:
         if mode == "off":
@@ -151,8 +155,9 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
             engines[mode].profile_step_time()
         else:
             method, k, *tree = mode.split(":")
-            source = proposers[method] if not tree else build_proposer(
-                method, {"tree": [int(w) for w in tree[0].split("-")]})
+            shape = {} if not tree else {"dynamic_tree": int(tree[0][1:])} if tree[0].startswith("d") else {
+                "tree": [int(w) for w in tree[0].split("-")]}
+            source = build_proposer(method, {**options(method), **shape}) if shape else proposers[method]
             engines[mode] = Engine(model, tokenizer, config, {method: source}, Controller.static(int(k), (method,)))
     return engines
 
@@ -282,9 +287,10 @@ def add_parser(sub) -> None:
                         "--continuous), instead of each mode's requests in one block: drift falls on every mode")
     p.add_argument("--k", type=int, default=4, help="k of the default modes (off,ngram:K)")
     p.add_argument("--modes", default=None,
-                   help="comma-separated: off, METHOD:K (e.g. draft:4, eagle:4), METHOD:K:W-W-... (an EAGLE "
-                        "head drafting token trees of those widths, e.g. eagle:3:4-1-1) or auto (the goodput "
-                        "controller over the methods named); default off,ngram:K")
+                   help="comma-separated: off, METHOD:K (e.g. draft:4, eagle:4), METHOD:K:W-W-... (a draft "
+                        "model or EAGLE head drafting token trees of those widths, e.g. draft:3:4-1-1), METHOD:K:dB "
+                        "(dynamic trees of B nodes a depth, e.g. eagle:3:d4) or auto "
+                        "(the goodput controller over the methods named); default off,ngram:K")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--requests", type=int, default=8, help="prompts per workload")
@@ -300,8 +306,9 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     for mode in args.modes:
         parts = mode.split(":")
         if mode not in ("off", "auto") and not (len(parts) in (2, 3) and parts[1].isdigit() and (
-                len(parts) == 2 or all(w.isdigit() and int(w) > 0 for w in parts[2].split("-")))):
-            raise InvalidRequestError("modes", f"{mode!r} is not off, auto, METHOD:K or METHOD:K:W-W-...")
+                len(parts) == 2 or all(w.isdigit() and int(w) > 0 for w in parts[2].removeprefix("d").split("-"))
+                and (parts[2][0] != "d" or "-" not in parts[2]))):
+            raise InvalidRequestError("modes", f"{mode!r} is not off, auto, METHOD:K, METHOD:K:W-W-... or METHOD:K:dB")
     if args.interleave and args.continuous:
         raise InvalidRequestError("interleave", "runs fixed groups of BATCH requests; --continuous has none")
     return args

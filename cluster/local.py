@@ -32,8 +32,10 @@ class LocalEngineSpec:
     k: int = 4
     max_num_seqs: int = 8
     max_model_len: int = 2048
-    #: Token-tree widths for an EAGLE head (`DraftModelConfig.tree`); None: chains.
+    #: Token-tree widths for a draft model or EAGLE head (`DraftModelConfig.tree`), or
+    #: nodes a depth of its dynamic trees (`DraftModelConfig.dynamic_tree`); None: chains.
     tree: tuple[int, ...] | None = None
+    dynamic_tree: int | None = None
 
 
 def check_vocabularies(tokenizer: Tokenizer, proposers: Mapping[str, ProposalSource]) -> None:
@@ -55,7 +57,8 @@ def build_local_engine(spec: LocalEngineSpec) -> Engine:
     config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
     if spec.speculation == OFF or spec.k == 0:
         return Engine(model, tokenizer, config, None, Controller.off())
-    proposer = build_proposer(spec.speculation, {} if spec.tree is None else {"tree": list(spec.tree)})
+    shape = {"tree": None if spec.tree is None else list(spec.tree), "dynamic_tree": spec.dynamic_tree}
+    proposer = build_proposer(spec.speculation, {k: v for k, v in shape.items() if v is not None})
     check_vocabularies(tokenizer, {spec.speculation: proposer})
     return Engine(model, tokenizer, config, proposer, Controller.static(spec.k))
 

@@ -19,6 +19,14 @@ Example (one sequence, k = 2): context [5, 6, 7] is new, so pass 0 feeds [5, 6, 
 picks d1 = 8 from the logits after 7; pass 1 feeds 8 and picks d2 = 9. The cache now
 holds [5, 6, 7, 8]. The verifier accepts 8, rejects 9 and emits 4: the next request is
 base_len 3, append [8, 4]. 8 matches the cached draft, so only 4 is fed.
+
+Token trees (`DraftModelConfig.tree` or `dynamic_tree`, greedy requests): pass j feeds
+every node of depth j instead of one draft, each attending the context and its own
+ancestors (`LlamaModel.forward` trees), and each node's children are its top candidates
+(all of them for fixed widths; for a dynamic tree, those on the depth's most likely
+paths, as EAGLE-2 expands its trees). The nodes are not a continuation
+of the context, so the round ends with the cache rolled back to the context; the next
+round feeds the accepted drafts again with the new tokens, in the same pass 0.
 """
 
 from __future__ import annotations
@@ -148,11 +156,18 @@ class DraftModelConfig:
     sample_top_k: int = 64
     #: Seed of the sampling generator.
     seed: int = 0
-    #: Token trees for greedy requests (EAGLE heads only): the children each draft node
-    #: gets at each depth, e.g. (3, 2, 1): the root's top 3, each of those their top 2, and
-    #: one each after (depths past the list get 1). A tree of depth k has sum over
-    #: j <= k of prod(tree[:j]) drafts: (3, 2, 1) at k = 3 is 3 + 6 + 6 = 15. None: chains.
+    #: Token trees for greedy requests: the children each draft node gets at each depth,
+    #: e.g. (3, 2, 1): the root's top 3, each of those their top 2, and one each after
+    #: (depths past the list get 1). A tree of depth k has sum over j <= k of prod(tree[:j])
+    #: drafts: (3, 2, 1) at k = 3 is 3 + 6 + 6 = 15. None: chains.
     tree: tuple[int, ...] | None = None
+    #: Dynamic token trees for greedy requests (EAGLE-2's expansion), instead of `tree`'s
+    #: fixed widths: each node of a depth offers its best `dynamic_tree` children, and the
+    #: `dynamic_tree` of them whose paths the proposer finds most likely (the product of its
+    #: probabilities along the path) are the next depth. So a tree of depth k has
+    #: `dynamic_tree` * k drafts, branching where the proposer is unsure and running as a
+    #: chain where it is sure. None: `tree`, else chains.
+    dynamic_tree: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_k", "sample_top_k"):
@@ -162,12 +177,27 @@ class DraftModelConfig:
             object.__setattr__(self, "tree", tuple(int(w) for w in self.tree))
             if not self.tree or min(self.tree) < 1:
                 raise ValueError(f"tree must list at least one width, each >= 1, got {list(self.tree)}")
+        if self.dynamic_tree is not None:
+            if self.tree is not None:
+                raise ValueError("tree and dynamic_tree exclude each other: fixed widths or a dynamic tree")
+            if self.dynamic_tree < 1:
+                raise ValueError(f"dynamic_tree must be >= 1, got {self.dynamic_tree}")
 
     def widths(self, k: int) -> list[int] | None:
-        """Children per node at depths 1..k of a greedy request's tree; None: a chain."""
+        """Children each node offers at depths 1..k of a greedy request's tree (a dynamic
+        tree keeps `dynamic_tree` of all a depth's offers); None: a chain."""
+        if self.dynamic_tree is not None:
+            return [self.dynamic_tree] * k
         if self.tree is None:
             return None
         return [self.tree[j] if j < len(self.tree) else 1 for j in range(k)]
+
+    def tree_nodes(self, k: int) -> int:
+        """Drafts of a depth-k tree (k for a chain)."""
+        w = self.widths(k)
+        if w is None:
+            return k
+        return sum(self.dynamic_tree or int(np.prod(w[: j + 1])) for j in range(k))
 
 
 @dataclasses.dataclass
@@ -197,16 +227,11 @@ class DraftModelProposer:
         #: The draft's vocabulary, sent in `Info` for the verifier's compatibility check.
         self.vocab = vocab
         self.config = config or DraftModelConfig()
-        if self.config.tree is not None and not self._trees:
-            raise ValueError(f"{method}: token trees (`tree`) are drafted by EAGLE heads only")
         self.max_k = self.config.max_k
         self.cache = model.new_cache(self.config.max_num_seqs, self.config.max_model_len)
         self._seqs: collections.OrderedDict[str, _Seq] = collections.OrderedDict()  # LRU order
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._lock = threading.Lock()  # one round at a time on the cache (several streams may call)
-
-    #: Whether this proposer drafts token trees when `tree` is set.
-    _trees = False
 
     @property
     def num_sequences(self) -> int:
@@ -308,31 +333,108 @@ class DraftModelProposer:
         self.cache.free(seq.slot)
 
     # ------------------------------------------------------------------ drafting
+    def _context_feed(self, seq: _Seq) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pass 0's rows for `seq`: its unseen context tokens (and, for EAGLE, their features)."""
+        return torch.from_numpy(seq.ids[self.cache.lens[seq.slot]:seq.ctx_len].astype(np.int64)), None
+
+    def _root(self, seq: _Seq) -> int:
+        """Cache index of the row whose logits give draft 1: a tree's root."""
+        return seq.ctx_len - 1
+
+    def _embeds(self, token_ids: torch.Tensor, features: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """A pass's input rows when not the token embeddings (an EAGLE head fuses features)."""
+        return None
+
     @torch.inference_mode()
     def _draft(self, drafting: list[tuple[int, _Seq, int, float]]
                ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
-        """(tokens, probs, tree parents or None) per drafting sequence."""
+        """(tokens, probs, tree parents or None) per drafting sequence: chains, or token
+        trees for greedy requests when `tree` or `dynamic_tree` is set. Pass 0 feeds each sequence's unseen
+        context; every later pass the drafts of the depth before (a chain has one), tree
+        nodes attending their ancestors only (`LlamaModel.forward` trees)."""
+        features = self.needs_hidden_states  # an EAGLE head feeds each node its parent's f^
         vocab = self.model.config.vocab_size
-        tokens = [np.zeros(k, np.int32) for _, _, k, _ in drafting]
+        dynamic = self.config.dynamic_tree is not None
+        widths = []
+        for _, seq, k, t in drafting:
+            w = self.config.widths(k) if t == 0 else None
+            # The cache holds the root and the nodes of depths 1..k-1 (the last depth is not fed).
+            if w is not None and self._root(seq) + 1 + self.config.tree_nodes(k - 1) > self.config.max_model_len:
+                w = None
+            widths.append(w)
         probs = [np.zeros((k, vocab), np.float32) if t > 0 else None for _, _, k, t in drafting]
-        # Pass 0: every sequence's unseen context.
-        feeds = [seq.ids[self.cache.lens[seq.slot]:seq.ctx_len] for _, seq, _, _ in drafting]
+        tokens: list[list[int]] = [[] for _ in drafting]
+        parents: list[list[int]] = [[] for _ in drafting]
+        feeds = [self._context_feed(seq) for _, seq, _, _ in drafting]
         active = list(range(len(drafting)))
+        fed: list[list[int]] = [[-1] for _ in drafting]  # nodes fed this pass (-1: the root row)
+        num_fed = [0] * len(drafting)
+        feature: list[dict[int, torch.Tensor]] = [{} for _ in drafting]  # node (or -1) -> its output f^
+        score: list[list[float]] = [[] for _ in drafting]  # dynamic trees: each node's path log-probability
         for j in range(max(k for _, _, k, _ in drafting)):
+            trees = None
             if j > 0:
                 active = [a for a in active if drafting[a][2] > j]
-                feeds = [tokens[a][j - 1 : j] for a in active]
-            num_tokens = [f.size for f in feeds]
-            flat = torch.from_numpy(np.concatenate(feeds).astype(np.int64))
-            last = torch.tensor(np.cumsum(num_tokens) - 1, dtype=torch.int64)
-            logits = self.model.forward(flat, [drafting[a][1].slot for a in active], num_tokens, self.cache, last)
-            picked = self._pick(logits, [drafting[a][3] for a in active], [probs[a] for a in active], j)
-            for a, token in zip(active, picked):
-                seq = drafting[a][1]
-                tokens[a][j] = token
-                seq.ids[seq.ctx_len + j] = token
-        # The cache now holds context + drafts 1..k-1: kept for the next round's match.
-        return [(t, q, None) for t, q in zip(tokens, probs)]
+                for a in active:
+                    fed[a] = list(range(num_fed[a], len(tokens[a])))
+                    num_fed[a] = len(tokens[a])
+                feeds = [(torch.tensor([tokens[a][i] for i in fed[a]]),
+                          torch.cat([feature[a][parents[a][i]] for i in fed[a]]) if features else None)
+                         for a in active]
+                if any(widths[a] is not None for a in active):
+                    trees = [None if widths[a] is None else
+                             (self._root(drafting[a][1]), [-1] + [q + 1 for q in parents[a]]) for a in active]
+            flat_ids = torch.cat([ids for ids, _ in feeds])
+            num_tokens = [int(ids.shape[0]) for ids, _ in feeds]
+            ends = np.cumsum(num_tokens)
+            # Logits (and f^) of the rows fed as nodes: the last row in pass 0, every row after.
+            rows = ends - 1 if j == 0 else np.arange(int(ends[-1]))
+            index = torch.from_numpy(rows.astype(np.int64))
+            out = self.model.forward(flat_ids, [drafting[a][1].slot for a in active], num_tokens, self.cache, index,
+                                     hidden_index=index if features else None, trees=trees,
+                                     input_embeds=self._embeds(flat_ids, [f for _, f in feeds]))
+            logits, out_features = out if features else (out, None)
+            if j == 0:
+                for a in active:
+                    self._fed_context(drafting[a][1])
+            row = 0
+            chains = []  # (row, active position) of chain sequences, picked together below
+            for a in active:
+                if widths[a] is not None:  # a tree: the nodes of depth j + 1
+                    nodes = torch.arange(row, row + len(fed[a]))
+                    top = torch.topk(logits[nodes], min(widths[a][j], logits.shape[-1]), dim=-1)
+                    keep = torch.arange(top.indices.numel())  # fixed widths: every node's best
+                    if dynamic:  # the best paths among every node's best
+                        base = torch.tensor([score[a][i] if i >= 0 else 0.0 for i in fed[a]])
+                        path = (torch.log_softmax(logits[nodes], dim=-1).gather(1, top.indices)
+                                + base.unsqueeze(1)).flatten()
+                        keep = torch.topk(path, min(self.config.dynamic_tree, path.numel())).indices.sort().values
+                        score[a] += path[keep].tolist()
+                    ids = top.indices.flatten()[keep]
+                    tokens[a] += (ids if self.token_map is None else self.token_map[ids]).tolist()
+                    parents[a] += [fed[a][int(f) // top.indices.shape[1]] for f in keep]
+                for i in fed[a]:
+                    if features:
+                        feature[a][i] = out_features[row : row + 1]
+                    if widths[a] is None:
+                        chains.append((row, a))
+                    row += 1
+            if chains:
+                picked = self._pick(logits[torch.tensor([r for r, _ in chains])], [drafting[a][3] for _, a in chains],
+                                    [probs[a] for _, a in chains], j)
+                for (_, a), token in zip(chains, picked):
+                    parents[a].append(len(tokens[a]) - 1)
+                    tokens[a].append(token)
+        for a, (_, seq, _, _) in enumerate(drafting):
+            if widths[a] is None:  # the cache holds context + drafts 1..k-1: kept for the next round's match
+                seq.ids[seq.ctx_len : seq.ctx_len + len(tokens[a])] = tokens[a]
+            else:  # tree nodes are not a continuation: back to the context
+                self.cache.rollback(seq.slot, self._root(seq) + 1)
+        return [(np.asarray(tokens[a], np.int32), probs[a],
+                 None if widths[a] is None else np.asarray(parents[a], np.int32)) for a in range(len(drafting))]
+
+    def _fed_context(self, seq: _Seq) -> None:
+        """Called once pass 0 has fed `seq`'s context (the EAGLE head marks its real rows)."""
 
     def _pick(self, logits: torch.Tensor, temperatures: list[float], probs: list[np.ndarray | None],
               j: int) -> list[int]:

@@ -35,7 +35,7 @@ import pathlib
 import numpy as np
 import torch
 
-from protos.proposal import Proposal, ProposalRequest
+from protos.proposal import ProposalRequest
 from proposers.draft_model import DraftModelConfig, DraftModelProposer, _Seq, hf_layers
 from verifier.errors import ModelLoadError
 from verifier.models.config import ModelConfig
@@ -146,7 +146,22 @@ class EagleProposer(DraftModelProposer):
 
     _state = _EagleSeq
     _min_context = 2  # drafting reads at least one feature
-    _trees = True
+
+    def _context_feed(self, seq: _EagleSeq) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_{t+1}, f_t) for t = kv_real .. ctx_len - 2: at least the last one (the root)."""
+        start = min(self.cache.lens[seq.slot], seq.ctx_len - 2)
+        self.cache.rollback(seq.slot, start)
+        return (torch.from_numpy(seq.ids[start + 1 : seq.ctx_len].astype(np.int64)),
+                seq.features[start : seq.ctx_len - 1])
+
+    def _root(self, seq: _EagleSeq) -> int:
+        return seq.ctx_len - 2  # the head's row t reads x_{t+1} and gives x_{t+2}
+
+    def _embeds(self, token_ids: torch.Tensor, features: list[torch.Tensor | None]) -> torch.Tensor:
+        return self.head.fuse(token_ids, torch.cat(features))
+
+    def _fed_context(self, seq: _EagleSeq) -> None:
+        seq.kv_real = seq.ctx_len - 1
 
     def _update(self, r: ProposalRequest) -> _EagleSeq | None:
         """Apply the delta and place the features; None (resync) when state is missing."""
@@ -185,77 +200,3 @@ class EagleProposer(DraftModelProposer):
         seq.kv_real = min(seq.kv_real, kept, self.cache.lens[seq.slot])
         self.cache.rollback(seq.slot, seq.kv_real)
         return seq
-
-    @torch.inference_mode()
-    def _draft(self, drafting):
-        """Chains, or token trees for greedy requests when `tree` is set: every pass feeds
-        each sequence's nodes of one depth (a chain has one), each with its parent's f^,
-        and the tree nodes attend their ancestors only (`LlamaModel.forward` trees)."""
-        vocab = self.model.config.vocab_size
-        cap = self.config.max_model_len
-        widths = []
-        for _, seq, k, t in drafting:
-            w = self.config.widths(k) if t == 0 else None
-            # The head stores root + the nodes of depths 1..k-1 (the last depth is not fed).
-            if w is not None and seq.ctx_len - 1 + sum(int(np.prod(w[:j])) for j in range(1, k)) > cap:
-                w = None
-            widths.append(w)
-        probs = [np.zeros((k, vocab), np.float32) if t > 0 else None for _, _, k, t in drafting]
-        tokens: list[list[int]] = [[] for _ in drafting]
-        parents: list[list[int]] = [[] for _ in drafting]
-        # Pass 0: (x_{t+1}, f_t) for t = kv_real .. ctx_len - 2; at least the last one (the root).
-        feeds_ids, feeds_feat, num_tokens = [], [], []
-        for _, seq, _, _ in drafting:
-            start = min(self.cache.lens[seq.slot], seq.ctx_len - 2)
-            self.cache.rollback(seq.slot, start)
-            feeds_ids.append(torch.from_numpy(seq.ids[start + 1 : seq.ctx_len].astype(np.int64)))
-            feeds_feat.append(seq.features[start : seq.ctx_len - 1])
-            num_tokens.append(seq.ctx_len - 1 - start)
-        active = list(range(len(drafting)))
-        fed: list[list[int]] = [[-1] for _ in drafting]  # drafts fed this pass (-1: the root row)
-        feature: list[dict[int, torch.Tensor]] = [{} for _ in drafting]  # draft (or -1) -> its output f^
-        for j in range(max(k for _, _, k, _ in drafting)):
-            trees = None
-            if j > 0:
-                active = [a for a in active if drafting[a][2] > j]
-                for a in active:
-                    fed[a] = [i for i in range(len(tokens[a])) if i not in feature[a]]
-                feeds_ids = [torch.tensor([tokens[a][i] for i in fed[a]]) for a in active]
-                feeds_feat = [torch.cat([feature[a][parents[a][i]] for i in fed[a]]) for a in active]
-                num_tokens = [len(fed[a]) for a in active]
-                if any(widths[a] is not None for a in active):
-                    trees = [None if widths[a] is None else
-                             (drafting[a][1].ctx_len - 2, [-1] + [q + 1 for q in parents[a]]) for a in active]
-            flat_ids = torch.cat(feeds_ids)
-            fused = self.head.fuse(flat_ids, torch.cat(feeds_feat))
-            ends = np.cumsum(num_tokens)
-            # Logits and f^ of the rows fed as nodes: the last row in pass 0, every row after.
-            rows = ends - 1 if j == 0 else np.arange(int(ends[-1]))
-            index = torch.from_numpy(rows.astype(np.int64))
-            logits, out_features = self.model.forward(flat_ids, [drafting[a][1].slot for a in active], num_tokens,
-                                                      self.cache, index, hidden_index=index, input_embeds=fused,
-                                                      trees=trees)
-            if j == 0:
-                for a in active:
-                    drafting[a][1].kv_real = drafting[a][1].ctx_len - 1
-            row = 0
-            chains = []  # (row, active position) of chain sequences, picked together below
-            for pos, a in enumerate(active):
-                for i in fed[a]:
-                    feature[a][i] = out_features[row : row + 1]
-                    if widths[a] is None:
-                        chains.append((row, a))
-                    else:
-                        top = torch.topk(logits[row], min(widths[a][j], logits.shape[-1])).indices
-                        ids = top if self.token_map is None else self.token_map[top]
-                        tokens[a] += ids.tolist()
-                        parents[a] += [i] * int(ids.shape[0])
-                    row += 1
-            if chains:
-                picked = self._pick(logits[torch.tensor([r for r, _ in chains])], [drafting[a][3] for _, a in chains],
-                                    [probs[a] for _, a in chains], j)
-                for (_, a), token in zip(chains, picked):
-                    parents[a].append(len(tokens[a]) - 1)
-                    tokens[a].append(token)
-        return [(np.asarray(tokens[a], np.int32), probs[a],
-                 None if widths[a] is None else np.asarray(parents[a], np.int32)) for a in range(len(drafting))]

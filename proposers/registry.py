@@ -84,7 +84,7 @@ PROPOSERS: dict[str, Callable[[dict[str, Any]], ProposalSource]] = {"ngram": _ng
 #: Methods whose proposers read the target's hidden states (sent in the proposer stream).
 NEEDS_HIDDEN_STATES = frozenset({"eagle"})
 #: Methods whose proposers draft token trees (option `tree`, `DraftModelConfig.tree`).
-DRAFTS_TREES = frozenset({"eagle"})
+DRAFTS_TREES = frozenset({"draft", "eagle"})
 
 
 def build_proposer(method: str, options: dict[str, Any] | None = None) -> ProposalSource:

@@ -59,6 +59,18 @@ def test_generate_with_eagle_trees_gives_the_same_tokens(ngram_json):
     assert stats["drafted"] > 3 * stats["rounds_with_drafts"] and stats["mean_acceptance_length"] > 1.0
 
 
+def test_generate_with_dynamic_draft_trees_gives_the_same_tokens(ngram_json):
+    proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40", "--speculation", "draft",
+                     "--k", "3", "--dynamic-tree", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == ngram_json["token_ids"] and out["dynamic_tree"] == 4 and out["tree"] is None
+    # Depth 3 of a dynamic tree of 4 nodes a depth: 12 drafts a round, at most 3 of them accepted.
+    stats = out["stats"]
+    assert stats["drafted"] <= 12 * stats["rounds_with_drafts"] and stats["accepted"] <= 3 * stats["rounds_with_drafts"]
+    assert stats["drafted"] > 3 * stats["rounds_with_drafts"] and stats["mean_acceptance_length"] > 1.0
+
+
 def test_generate_streams_text_then_a_summary(ngram_json):
     proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40")
     assert proc.returncode == 0, proc.stderr
@@ -76,6 +88,9 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--k", "-2"], "k"),
         (["--prompt", "hi", "--tree", "3,2"], "tree"),  # n-gram: no trees
         (["--prompt", "hi", "--speculation", "eagle", "--tree", "3,0"], "tree"),
+        (["--prompt", "hi", "--dynamic-tree", "4"], "dynamic_tree"),  # n-gram: no trees
+        (["--prompt", "hi", "--speculation", "draft", "--dynamic-tree", "0"], "dynamic_tree"),
+        (["--prompt", "hi", "--speculation", "draft", "--dynamic-tree", "2", "--tree", "2,1"], "tree"),
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field):

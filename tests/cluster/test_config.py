@@ -20,7 +20,8 @@ def test_defaults_serve_the_bundled_model_with_ngram():
 
 
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-cluster.yaml", "bench-cpu.yaml", "bench-cpu-eagle.yaml",
-                                  "bench-cpu-eagle-tree.yaml", "bench-cpu-all.yaml"])
+                                  "bench-cpu-eagle-tree.yaml", "bench-cpu-eagle-dynamic-tree.yaml",
+                                  "bench-cpu-all.yaml"])
 def test_shipped_examples_validate(name):
     c = load_config(CONFIG_DIR / name)
     assert isinstance(c, SplitspecConfig) and c.proposers
@@ -61,7 +62,11 @@ def test_a_bare_policy_off_is_the_off_policy(tmp_path):
          "proposers.0.autoscaling", "min_replicas (3) must be <= max_replicas (2)"),
         ("proposers: [{method: ngram}, {method: ngram}]", "(top level)", "each method may appear once"),
         ("proposers: [{method: eagle, options: {tree: [3, 0]}}]", "proposers.0.options", "widths >= 1"),
-        ("proposers: [{method: ngram, options: {tree: [2]}}]", "proposers.0", "EAGLE heads only"),
+        ("proposers: [{method: ngram, options: {tree: [2]}}]", "proposers.0", "model proposers, draft and eagle, only"),
+        ("proposers: [{method: ngram, options: {dynamic_tree: 4}}]", "proposers.0", "options.dynamic_tree"),
+        ("proposers: [{method: draft, options: {dynamic_tree: 0}}]", "proposers.0.options", "nodes a depth >= 1"),
+        ("proposers: [{method: eagle, options: {tree: [2], dynamic_tree: 2}}]", "proposers.0.options",
+         "exclude each other"),
         ("model: {dtype: float16}", "model.dtype", "'float16'"),
         ("controller: {k: 40}", "controller.k", "less than or equal to 16"),
         ("controller: {policy: adaptive}", "controller.policy", "'adaptive'"),

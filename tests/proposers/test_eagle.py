@@ -25,6 +25,7 @@ from proposers.train import decoder_layer
 from proposers.train_eagle import (EagleNet, TrainEagleConfig, chain_rows, held_out_figures, start_from,
                                      train_eagle)
 from tests.proposers.conftest import TINY
+from tests.proposers.tree_check import trees_are_exact_and_accept_more
 from verifier.controller import Controller
 from verifier.engine import Engine, EngineConfig
 from verifier.errors import ModelLoadError
@@ -314,34 +315,21 @@ def test_a_tree_holds_each_nodes_top_candidates_and_the_chain(tiny_eagle, model,
     assert q.draft_parents is None and q.draft_token_ids.size == 3 and q.draft_probs.shape[0] == 3
 
 
-def test_trees_are_for_eagle_heads_only(model, vocab):
-    from proposers.draft_model import DraftModelProposer
-
-    with pytest.raises(ValueError, match="drafted by EAGLE heads only"):
-        DraftModelProposer(model, vocab, DraftModelConfig(max_num_seqs=1, max_model_len=8, tree=(2,)))
+def test_tree_shapes_are_checked():
+    with pytest.raises(ValueError, match="exclude each other"):
+        DraftModelConfig(tree=(2,), dynamic_tree=2)
+    with pytest.raises(ValueError, match="dynamic_tree must be >= 1"):
+        DraftModelConfig(dynamic_tree=0)
     with pytest.raises(ValueError, match="each >= 1"):
         DraftModelConfig(tree=(2, 0))
 
 
 @pytest.mark.slow
 def test_engine_with_eagle_trees_is_exact_and_accepts_more(model, tokenizer, vocab, exactness_prompts):
-    """The committed head drafting (3, 2, 1) trees, verified by the engine: greedy output
-    identical to plain decoding, and more drafts accepted than with its chains (a tree holds
-    the chain: its first children)."""
-    prompts = exactness_prompts[2::4]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-    off = Engine(model, tokenizer, EngineConfig(max_num_seqs=5, max_model_len=1024), None, Controller.off())
-    want = [r.token_ids for r in off.generate_sync(prompts, params)]
-    accepted = {}
-    for tree in (None, (3, 2, 1)):
-        eagle = EagleProposer(load_eagle(BUNDLED_EAGLE_DIR, model, vocab), vocab,
-                              DraftModelConfig(max_num_seqs=5, tree=tree))
-        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=5, max_model_len=1024), {"eagle": eagle},
-                        Controller.static(3, ("eagle",)))
-        results = engine.generate_sync(prompts, params)
-        assert [r.token_ids for r in results] == want, f"{tree=}"
-        accepted[tree] = sum(r.stats.accepted for r in results) / sum(r.stats.rounds_with_drafts for r in results)
-    assert accepted[(3, 2, 1)] > accepted[None] > 0
+    """The committed head's (3, 2, 1) and dynamic trees: exact, and accepting more than its
+    chains (`trees_are_exact_and_accept_more`)."""
+    trees_are_exact_and_accept_more(model, tokenizer, exactness_prompts[2::4], "eagle", lambda shape: EagleProposer(
+        load_eagle(BUNDLED_EAGLE_DIR, model, vocab), vocab, DraftModelConfig(max_num_seqs=5, **shape)))
 
 
 def _engine_run(model, tokenizer, source, prompts, params):

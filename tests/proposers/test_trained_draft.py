@@ -18,6 +18,7 @@ from cluster.workloads import load_prompts
 from protos.proposal import ProposalRequest
 from proposers.registry import build_proposer
 from proposers.train import BUNDLED_DRAFT_DIR, CONFIG_FILE, WEIGHTS_FILE
+from tests.proposers.tree_check import trees_are_exact_and_accept_more
 from verifier.controller import Controller
 from verifier.engine import Engine, EngineConfig
 from verifier.models.vocab import VocabFingerprint, incompatibility
@@ -83,3 +84,74 @@ def test_engine_with_the_trained_draft_is_exact_and_accepts(model, tokenizer, dr
     # The untrained start (target layers 0, 1, 29) agrees with the target on 0.02% of
     # held-out tokens (train_info.json, step 0); the trained draft accepts ~10% of drafts.
     assert drafted > 0 and accepted / drafted > 0.03, (accepted, drafted)
+
+
+def test_a_draft_tree_holds_each_nodes_top_candidates_as_hf_computes(hf_model, tokenizer):
+    """With `tree` (3, 2) at k = 3 the draft drafts 3 + 6 + 6 nodes breadth first, and the
+    children of every node are the top candidates (over the draft's vocabulary subset, in
+    order) of HF transformers running the same weights over the context and that node's
+    path, whole each time; a second round on the same sequence drafts from the context
+    again (the tree's cache rows were rolled back), as a fresh sequence does."""
+    hf, vocab_ids = _hf_draft(hf_model)
+    tree = build_proposer("draft", {"max_num_seqs": 2, "max_k": 4, "tree": [3, 2]})
+    context = load_prompts("chat", tokenizer)[1]
+    (p,) = tree.propose_sync([ProposalRequest("s", 0, np.asarray(context, np.int32), 3, 0.0)])
+    assert p.draft_parents.tolist() == [-1, -1, -1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7, 8]
+    drafts = p.draft_token_ids.tolist()
+    paths = {-1: []}
+    for i, parent in enumerate(p.draft_parents.tolist()):
+        paths[i] = paths[parent] + [i]
+    for node, w in [(-1, 3), (0, 2), (1, 2), (2, 2)] + [(i, 1) for i in range(3, 9)]:
+        with torch.no_grad():
+            logits = hf(torch.tensor([context + [drafts[i] for i in paths[node]]])).logits[0, -1]
+        want = [int(vocab_ids[c]) for c in torch.topk(logits[vocab_ids], w).indices]
+        assert [drafts[i] for i, q in enumerate(p.draft_parents) if q == node] == want, f"children of {node}"
+    # Next round: the verifier accepted the first child of the root and emitted a bonus token.
+    grown = context + [drafts[0], drafts[3]]
+    (again,) = tree.propose_sync([ProposalRequest("s", len(context), np.asarray(grown[len(context):], np.int32),
+                                                  3, 0.0)])
+    (fresh,) = tree.propose_sync([ProposalRequest("t", 0, np.asarray(grown, np.int32), 3, 0.0)])
+    assert again.draft_token_ids.tolist() == fresh.draft_token_ids.tolist()
+    assert again.draft_parents.tolist() == fresh.draft_parents.tolist()
+
+
+def test_engine_with_draft_trees_is_exact_and_accepts_more(model, tokenizer, exactness_prompts):
+    """The committed draft's (3, 2, 1) and dynamic trees: exact, and accepting more than its
+    chains (`trees_are_exact_and_accept_more`)."""
+    trees_are_exact_and_accept_more(model, tokenizer, exactness_prompts[1::4], "draft",
+                                    lambda shape: build_proposer("draft", {"max_num_seqs": 5, **shape}))
+
+def test_a_dynamic_tree_keeps_the_most_likely_paths_as_hf_computes(hf_model, tokenizer):
+    """With `dynamic_tree` 3 at k = 3 each depth holds the 3 paths, among the best 3
+    children of every node of the depth before, with the highest sum of the draft's
+    log-probabilities (over its vocabulary subset), as HF transformers computes them on
+    the same weights over each path whole; nodes are listed breadth first, grouped by
+    parent in the depth's order, siblings best first."""
+    hf, vocab_ids = _hf_draft(hf_model)
+    B = 3
+    proposer = build_proposer("draft", {"max_num_seqs": 1, "max_k": 4, "dynamic_tree": B})
+    context = load_prompts("chat", tokenizer)[3]
+    (p,) = proposer.propose_sync([ProposalRequest("s", 0, np.asarray(context, np.int32), 3, 0.0)])
+
+    @torch.no_grad()
+    def best(path: list[int]) -> list[tuple[float, int]]:  # the B best (log-prob, id) after context + path
+        logp = torch.log_softmax(hf(torch.tensor([context + path])).logits[0, -1][vocab_ids].double(), dim=-1)
+        top = torch.topk(logp, B)
+        return [(float(v), int(vocab_ids[i])) for v, i in zip(top.values, top.indices)]
+
+    want_ids, want_parents = [], []
+    depth = [(-1, [], 0.0)]  # (node index, path of ids, path log-prob)
+    for _ in range(3):
+        offers = [(score + lp, parent_pos, rank, token)
+                  for parent_pos, (_, path, score) in enumerate(depth)
+                  for rank, (lp, token) in enumerate(best(path))]
+        kept = sorted(sorted(offers, reverse=True)[:B], key=lambda o: (o[1], o[2]))
+        nxt = []
+        for score, parent_pos, _, token in kept:
+            node, path, _ = depth[parent_pos]
+            nxt.append((len(want_ids), path + [token], score))
+            want_ids.append(token)
+            want_parents.append(node)
+        depth = nxt
+    assert p.draft_token_ids.tolist() == want_ids
+    assert p.draft_parents.tolist() == want_parents
