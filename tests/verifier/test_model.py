@@ -268,7 +268,9 @@ def test_gathered_verification_spans_match_each_sequence_alone(model, prompts):
     spans = [_SeqSpan(s, starts[s], widths[s], prefix_lens[s] + widths[s], None, False) for s in slots]
     ranged = _SpanGroup.of(spans)
     assert (ranged.lo, ranged.hi, ranged.width, ranged.slots) == (0, 8, 1, None)
-    gathered = _SpanGroup.gathered(spans)
+    # One gathered group: 3 x 9 rows + 8 for the group = 35, no more than [3, 5] + [9]
+    # (2 x 5 + 9 + 2 x 8 = 35) or one group each (17 + 24 = 41).
+    (gathered,) = _SpanGroup.gathered(spans)
     assert len(spans) - sum(s.grouped for s in spans) == 1  # the prefill
     assert 3 >= GATHER_MIN
     assert gathered.slots.tolist() == [1, 4, 8] and (gathered.width, gathered.kv_len) == (9, 53)
@@ -280,7 +282,35 @@ def test_gathered_verification_spans_match_each_sequence_alone(model, prompts):
     assert allowed == [[51, 52, 53] + [1] * 6, list(range(10, 19)), [27, 28, 29, 30, 31] + [1] * 4]
     # Fewer than GATHER_MIN rounds left out: no gathered group, the round attends alone.
     spans = [_SeqSpan(s, 0, 5 if s == 3 else 1, 40, None, False) for s in range(8)]
-    assert _SpanGroup.of(spans).width == 1 and _SpanGroup.gathered(spans) is None
+    assert _SpanGroup.of(spans).width == 1 and _SpanGroup.gathered(spans) == []
+
+
+def test_gathered_spans_split_by_width_match_each_sequence_alone(model, prompts):
+    """Seven decodes and one verification round of 9 tokens on every third slot of 22: too
+    sparse for a range group (8 of 22 rows at width 1), so all eight are gathered, in two
+    groups by width: 7 rows at width 1 and 9 at width 9, 16 + 2 x GATHER_GROUP_ROWS = 32
+    rows against 8 x 9 + 8 = 80 as one group padded to 9. Every row equals the sequence
+    alone."""
+    from verifier.models.llama import GATHER_GROUP_ROWS, _SeqSpan, _SpanGroup
+
+    assert GATHER_GROUP_ROWS == 8  # the sums above
+    text = prompts["chat"] + prompts["code"]
+    slots = list(range(0, 22, 3))  # 0, 3, ..., 21
+    prefix_lens = {s: 8 + 5 * i for i, s in enumerate(slots)}  # 8 .. 43 tokens cached
+    widths = {s: 9 if s == 9 else 1 for s in slots}
+    new = {slot: text[n : n + widths[slot]] for slot, n in prefix_lens.items()}
+    alone, batched, cache = run_alone_and_together(model, text, prefix_lens, new, num_slots=22, idle=1)
+    err = max_abs(batched, alone)
+    assert err < BATCH_ATOL, f"{err=}"
+    assert torch.equal(batched.argmax(-1), alone.argmax(-1))
+
+    starts = dict(zip(slots, [sum(widths[s] for s in slots[:i]) for i in range(len(slots))]))
+    spans = [_SeqSpan(s, starts[s], widths[s], prefix_lens[s] + widths[s], None, False) for s in slots]
+    assert _SpanGroup.of(spans) is None
+    decodes, round_ = _SpanGroup.gathered(spans)
+    assert decodes.slots.tolist() == [0, 3, 6, 12, 15, 18, 21] and decodes.width == 1
+    assert round_.slots.tolist() == [9] and round_.width == 9 and round_.kv_len == prefix_lens[9] + 9
+    assert round_.token_index.tolist() == list(range(starts[9], starts[9] + 9))
 
 def test_chunked_prefill_matches_one_shot(model, prompts):
     """Chunks [0:20] (causal from 0), [20:21] (decode path) and [21:72] (masked)."""

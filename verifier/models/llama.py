@@ -28,6 +28,7 @@ matmuls per layer.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import torch
@@ -114,17 +115,25 @@ class _SpanGroup:
         return cls._build(members, {slot: slot - lo for slot in range(lo, hi)}, width, lo, hi, None, device)
 
     @classmethod
-    def gathered(cls, spans: list[_SeqSpan], device: torch.device | str = "cpu") -> "_SpanGroup | None":
+    def gathered(cls, spans: list[_SeqSpan], device: torch.device | str = "cpu") -> list["_SpanGroup"]:
         """Group the short spans that `of` left out (the verification rounds wider than the
-        range group's width) over their own slots, gathered: at least `GATHER_MIN` of them,
-        W their widest. None when there are fewer."""
+        range group's width, or every short span when there is no range group) over their
+        own slots, gathered: none when there are fewer than `GATHER_MIN` of them. Each group
+        pads its members to its widest, so they are split by width where that saves more
+        query rows than a group costs (`GATHER_GROUP_ROWS`): one round of k = 8 among
+        decodes would otherwise give every decode 9 rows."""
         members = [s for s in spans if not s.grouped and not s.tree and s.num_tokens <= GROUP_MAX_WIDTH]
         if len(members) < GATHER_MIN:
-            return None
-        slots = [s.slot for s in members]
-        width = max(s.num_tokens for s in members)
-        return cls._build(members, {slot: i for i, slot in enumerate(slots)}, width, 0, 0,
-                          torch.tensor(slots, dtype=torch.int64, device=device), device)
+            return []
+        order = sorted(range(len(members)), key=lambda i: members[i].num_tokens)
+        groups = []
+        for first, last in _width_classes([members[i].num_tokens for i in order], GATHER_GROUP_ROWS):
+            part = [members[i] for i in sorted(order[first:last])]  # in pass order
+            slots = [s.slot for s in part]
+            groups.append(cls._build(part, {slot: i for i, slot in enumerate(slots)},
+                                     max(s.num_tokens for s in part), 0, 0,
+                                     torch.tensor(slots, dtype=torch.int64, device=device), device))
+        return groups
 
     @classmethod
     def _build(cls, members: list[_SeqSpan], place: dict[int, int], width: int, lo: int, hi: int,
@@ -169,6 +178,32 @@ GROUP_MIN_FILL = 0.5
 # 10 of 9 1.82 / 1.34, 16 of 5 1.97 / 1.30; L = 700: 2 of 5 0.39 / 0.27, 10 of 9
 # 2.90 / 2.45, 16 of 5 4.48 / 4.06. The range group over all 32 slots would cost 2-7 ms.
 GATHER_MIN = 2
+# What one more gathered group costs, in padded query rows (its own kernels in each layer).
+GATHER_GROUP_ROWS = 8
+
+
+def _width_classes(widths: Sequence[int], group_rows: float) -> list[tuple[int, int]]:
+    """Split widths sorted ascending into runs [first, last) minimising the query rows,
+    each run padded to its widest (its last), plus `group_rows` a run.
+
+    >>> _width_classes([1] * 7 + [9], 8)  # 7 x 1 + 9 + 16 = 32 rows, against 8 x 9 + 8 = 80
+    [(0, 7), (7, 8)]
+    >>> _width_classes([1, 1, 2, 3], 8)  # 4 x 3 + 8 = 20 rows, against 2 + 2 x 3 + 16 = 24
+    [(0, 4)]
+    """
+    n = len(widths)
+    best = [0.0] + [math.inf] * n  # best[j]: rows of the first j widths
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            rows = best[i] + (j - i) * widths[j - 1] + group_rows
+            if rows < best[j]:
+                best[j], cut[j] = rows, i
+    runs, j = [], n
+    while j:
+        runs.append((cut[j], j))
+        j = cut[j]
+    return runs[::-1]
 # The widest span that joins a group: a verification round of k = 8 (every slot of the
 # range pays W query rows, so a prefill chunk must not widen it).
 GROUP_MAX_WIDTH = 9
@@ -484,7 +519,7 @@ class LlamaModel:
                 spans.append(_SeqSpan(slot, offset, n, end, blocked, False, tree=True))
             offset += n
 
-        groups = [g for g in (_SpanGroup.of(spans, self.device), _SpanGroup.gathered(spans, self.device))
+        groups = [g for g in (_SpanGroup.of(spans, self.device), *_SpanGroup.gathered(spans, self.device))
                   if g is not None]  # `gathered` takes what `of` left
         for s in spans:  # the spans attending one by one: a continuation's causal mask
             if not s.grouped and not s.tree and s.num_tokens > 1 and not s.causal:
