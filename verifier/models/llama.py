@@ -9,9 +9,10 @@ packed once at start (`LlamaModel.pack_weights`, `linear`), else through MKL pad
 `gemm_rows(T)` rows, the row counts MKL is fast at. Attention runs against each sequence's own cache slot: the
 short spans of a pass (decode steps and verification rounds, 4 or more of them) as one
 batched product over their slot range, each query masked to its own causal prefix
-(`_SpanGroup.of`); the verification rounds too wide for that range (2 or more) as a second
-batched product over a copy of their own slots' caches (`_SpanGroup.gathered`); prefills
-and any other span one sequence at a time.
+(`_SpanGroup.of`); the short spans left out of it (2 or more: rounds too wide for it, or
+all of them when the slots are too sparse for one) as batched products over copies of
+their own slots' caches, split by width so that one wide round does not pad every decode
+(`_SpanGroup.gathered`); prefills and any other span one sequence at a time.
 
 Token trees (`trees`): a sequence's new tokens may be nodes of a draft tree instead of a
 chain. Each node sits at its own cache index (the next free ones, in the order given) but
