@@ -368,16 +368,14 @@ class DraftModelProposer:
         feeds = [self._context_feed(seq) for _, seq, _, _ in drafting]
         active = list(range(len(drafting)))
         fed: list[list[int]] = [[-1] for _ in drafting]  # nodes fed this pass (-1: the root row)
-        num_fed = [0] * len(drafting)
         feature: list[dict[int, torch.Tensor]] = [{} for _ in drafting]  # node (or -1) -> its output f^
         score: list[list[float]] = [[] for _ in drafting]  # dynamic trees: each node's path log-probability
         for j in range(max(k for _, _, k, _ in drafting)):
             trees = None
             if j > 0:
                 active = [a for a in active if drafting[a][2] > j]
-                for a in active:
-                    fed[a] = list(range(num_fed[a], len(tokens[a])))
-                    num_fed[a] = len(tokens[a])
+                for a in active:  # the nodes added since the last pass (breadth first)
+                    fed[a] = list(range(fed[a][-1] + 1, len(tokens[a])))
                 feeds = [(torch.tensor([tokens[a][i] for i in fed[a]]),
                           torch.cat([feature[a][parents[a][i]] for i in fed[a]]) if features else None)
                          for a in active]

@@ -920,7 +920,7 @@ class Controller:
 
     @staticmethod
     def _why_nobody(t, cap: int, method_latency: Callable[[int], float], expected: float, tokens: float,
-                    latency: float, draft_tokens: Callable[[int], float] = lambda k: k) -> str:
+                    latency: float, draft_tokens: Callable[[int], float]) -> str:
         """Why no sequence drafts: would k drafts pay if all were accepted (k up to `cap`,
         the batch's caps together; `method_latency(k)` the method's round trip for them,
         `draft_tokens(k)` the tokens they add to the pass: k, or a tree's nodes)? If not
@@ -966,7 +966,7 @@ class Controller:
         return None
 
     def _probe(self, v: SequenceView, state: _SeqState, live: list[str], chosen: str,
-               affordable: Callable[[str, int], bool] = lambda m, k: True) -> Decision | None:
+               affordable: Callable[[str, int], bool]) -> Decision | None:
         """A cheap draft for an off sequence (has its acceptance recovered?) or for a method
         the sequence has not used lately (is it better now?), once per `probe_interval`;
         none where shadow drafts measure the same for free, nor where the round's probes
