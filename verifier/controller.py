@@ -239,18 +239,24 @@ class StepTimeModel:
     `LlamaModel.gemm_rows`): an integer n is priced at `rows(n)`, so T is flat between
     padded sizes, and a fractional (expected) n between its two integer neighbours.
 
-    `observe` refreshes T by EWMA: a one-sequence pass corrects the nearest point (keeping
-    T_tokens non-decreasing); a pass of b > 1 sequences corrects S(b) only, or, when it
-    reports its draft count d (no prompt prefilled in it), S(b) and X(b) together: a least
-    squares line of the error against d over the recent passes at b (moments decayed by
-    `fit_decay` per pass), X(b) >= 0 and kept as it is while d has varied too little to
-    tell (variance under `FIT_MIN_VAR`). So X(b) is learned where drafts come and go, and a
-    batch that never drafts keeps X(b) = 0. Correcting the
-    points, or one shared per-sequence slope, from many-sequence passes is not identifiable:
-    at a steady batch of 32 every pass has b = 32, so any error fits either term, and wide
-    verification passes that ran slower than priced drove a shared slope up until a plain
-    decode step of 32 looked 3x dearer than it is (measured in the engine: 13 ms per
-    sequence learned against 0.45 profiled), which made drafts look cheap beside it. A pass
+    `observe` refreshes T by EWMA: a pass of b sequences, one included, corrects S(b) only,
+    or, when it reports its draft count d (no prompt prefilled in it), S(b) and X(b)
+    together: a least squares line of the error against d over the recent passes at b
+    (moments decayed by `fit_decay` per pass), X(b) >= 0 and kept as it is while d has
+    varied too little to tell (variance under `FIT_MIN_VAR`). So X(b) is learned where
+    drafts come and go, and a batch that never drafts keeps X(b) = 0. The points stay as
+    profiled. Corrected by one-sequence passes (as they once were), they followed the
+    context of whichever sequence ran alone, and kept T_tokens non-decreasing by raising
+    every later point: served on mix at 8 clients, the last requests decoding alone over
+    300-400 tokens of context (70-120 ms a pass, against 60 ms profiled at 64) raised T
+    from 2 to 64 tokens to one flat 135 ms, which a decode pass of 8 and one of 8 with 24
+    drafts then shared, and X(8), the only slope left, rose from 4 to 7 ms a draft.
+    Correcting the points, or one shared per-sequence slope, from many-sequence passes is
+    not identifiable: at a steady batch of 32 every pass has b = 32, so any error fits
+    either term, and wide verification passes that ran slower than priced drove a shared
+    slope up until a plain decode step of 32 looked 3x dearer than it is (measured in the
+    engine: 13 ms per sequence learned against 0.45 profiled), which made drafts look
+    cheap beside it. A pass
     with no point within 20% of its n (a long prefill) is ignored: blaming its error on
     either term would skew the decode-sized passes the controller plans.
 
@@ -281,7 +287,8 @@ class StepTimeModel:
         self.fit_decay = fit_decay
         # Per b: decayed moments (weight, d, e, d^2, d e) of the draft count d and the error e.
         self._moments: dict[int, list[float]] = {}
-        self._monotone(0)
+        for j in range(1, len(self.t)):  # non-decreasing
+            self.t[j] = max(self.t[j], self.t[j - 1])
 
     @classmethod
     def linear(cls, base_s: float, per_token_s: float, max_tokens: int = 4096) -> "StepTimeModel":
@@ -308,8 +315,9 @@ class StepTimeModel:
         return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
     def seq_s(self, b: int) -> float:
-        """S(b): what b sequences add to a pass beyond one sequence of the same tokens."""
-        if b <= 1:
+        """S(b): what b sequences add to a pass beyond the profiled curve of one sequence
+        of the same tokens (S(1): what a running sequence's context, and the load, add)."""
+        if b < 1:
             return 0.0
         learned = self.seq_s_by_batch.get(b)
         return self.per_seq_s * (b - 1) if learned is None else learned
@@ -325,19 +333,16 @@ class StepTimeModel:
         """A pass of n tokens of b sequences took `seconds`; `num_drafts`: its draft tokens
         when it prefilled no prompt (None: unknown or a prompt was in it)."""
         n = n if self.rows is None else self.rows(n)
-        i = min(range(len(self.n)), key=lambda j: abs(math.log(self.n[j] / n)))
-        if abs(math.log(self.n[i] / n)) > math.log(1.2):
+        if min(abs(math.log(p / n)) for p in self.n) > math.log(1.2):
             return
-        if b > 1 and num_drafts is not None:
+        b = max(b, 1)
+        if num_drafts is not None:
             self._fit(b, num_drafts, seconds - self.tokens_s(n))
             return
-        if b > 1:  # S(b) only; it may go negative (many short contexts beat one long one).
-            # Prompt tokens are priced by the token curve alone (profiled on one sequence).
-            seq = self.seq_s(b)
-            self.seq_s_by_batch[b] = seq + self.ewma * (seconds - self.tokens_s(n) - seq)
-            return
-        self.t[i] = max(self.t[i] + self.ewma * (seconds - self.tokens_s(n)), 1e-6)
-        self._monotone(i)
+        # S(b) only; it may go negative (many short contexts beat one long one). Prompt
+        # tokens are priced by the token curve alone (profiled on one sequence).
+        seq = self.seq_s(b)
+        self.seq_s_by_batch[b] = seq + self.ewma * (seconds - self.tokens_s(n) - seq)
 
     def _fit(self, b: int, d: float, error: float) -> None:
         """S(b) and X(b) from the least squares line error = S(b) + X(b) d over the decayed
@@ -355,12 +360,6 @@ class StepTimeModel:
         if var >= self.FIT_MIN_VAR:
             self.draft_s_by_batch[b] = max((sde / w - mean_d * mean_e) / var, 0.0)
         self.seq_s_by_batch[b] = mean_e - self.draft_s(b) * mean_d
-
-    def _monotone(self, anchor: int) -> None:
-        for j in range(anchor + 1, len(self.t)):
-            self.t[j] = max(self.t[j], self.t[j - 1])
-        for j in range(anchor - 1, -1, -1):
-            self.t[j] = min(self.t[j], self.t[j + 1])
 
     def points(self) -> list[tuple[int, float]]:
         return list(zip(self.n, self.t))

@@ -42,12 +42,28 @@ def test_step_time_interpolates_and_stays_monotone():
     assert m(1) == pytest.approx(0.010) and m(0.5) == pytest.approx(0.010)
     assert m(8.5) == pytest.approx(0.0115)  # halfway from 1 to 16
     assert m(48) == pytest.approx(0.0200 + 0.007 * 16 / 16)  # the last segment, extended
-    m.observe(16, 1, 0.025)  # one sequence: the point takes it all, 13 -> 13 + 0.5 * 12 = 19 ms
-    assert m.points()[1] == (16, pytest.approx(0.019))
-    m.observe(1, 1, 0.030)  # 10 -> 20 ms, above T(16): T(16) and T(32) rise to keep T non-decreasing
-    assert [t for _, t in m.points()] == pytest.approx([0.020, 0.020, 0.020])
-    m.observe(100, 1, 1.0)  # far from every point, one sequence: ignored
-    assert m(32) == pytest.approx(0.020) and m.per_seq_s == 0
+    # Profiled points that fall are raised to keep T non-decreasing.
+    assert StepTimeModel([(1, 0.012), (16, 0.010)]).points() == [(1, 0.012), (16, 0.012)]
+    # One sequence (a prompt in it: no draft count) corrects S(1), what a running sequence
+    # adds beyond the profile, by EWMA: 0 + 0.5 * (25 - 13) = 6 ms. The points stay.
+    m.observe(16, 1, 0.025)
+    assert m.seq_s(1) == pytest.approx(0.006) and m(16) == pytest.approx(0.019)
+    # A slow one-token pass (a long context) moves S(1) to 6 + 0.5 * (30 - 10 - 6) = 13 ms:
+    # every token count by the same 13 ms, so T(32) - T(1) stays the profiled 10 ms. (It
+    # once set the point at 1 to 20 ms and raised T(16) and T(32) to it: a flat curve.)
+    m.observe(1, 1, 0.030)
+    assert m.points() == [(1, 0.010), (16, 0.013), (32, 0.020)]
+    assert m(1) == pytest.approx(0.023) and m(32) - m(1) == pytest.approx(0.010)
+    m.observe(100, 1, 1.0)  # far from every point: ignored
+    assert m.seq_s(1) == pytest.approx(0.013) and m.per_seq_s == 0
+    # Passes of one sequence with d drafts learn S(1) and X(1) as at any batch size: here
+    # 5 ms and 0.5 ms a draft beyond the curve (d such that each pass lies near a point).
+    rng = random.Random(1)
+    for _ in range(200):
+        d = rng.choice((0, 13, 14, 15))
+        m.observe(1 + d, 1, m.tokens_s(1 + d) + 0.005 + 0.0005 * d, num_drafts=d)
+    assert m.seq_s(1) == pytest.approx(0.005, rel=1e-3) and m.draft_s(1) == pytest.approx(0.0005, rel=1e-3)
+    assert m(9) - m(1) == pytest.approx(0.003 * 8 / 15 + 8 * 0.0005, rel=1e-3)  # the curve 1 -> 16: +3 ms
 
 
 def test_step_time_prices_a_pass_at_its_padded_row_count():
@@ -61,11 +77,12 @@ def test_step_time_prices_a_pass_at_its_padded_row_count():
     # An expected count between integers: between its neighbours' padded times.
     assert m(4.25) == pytest.approx(0.075 + 0.25 * 0.010)
     assert m(1.5) == pytest.approx(0.0725)
-    # A pass of 13 tokens ran at 16 rows: it corrects the point at 16 (100 -> 110 ms), not one
-    # nearer 13 by count.
+    # A pass of 13 tokens ran at 16 rows: its error is against T(16), 120 - 100 ms, and S(1)
+    # takes half of it (ewma 0.5), 10 ms (against the 94.4 ms interpolated at 13 by count
+    # it would have been 12.8 ms). The points stay.
     m.observe(13, 1, 0.120)
-    assert m.points()[3] == (16, pytest.approx(0.110)) and m(9) == pytest.approx(0.110)
-    assert m.points()[2] == (8, pytest.approx(0.085))
+    assert m.seq_s(1) == pytest.approx(0.010) and m(9) == pytest.approx(0.110)
+    assert m.points()[2:4] == [(8, pytest.approx(0.085)), (16, pytest.approx(0.100))]
 
 
 def test_step_time_learns_what_sequences_add_at_each_batch_size():
