@@ -256,9 +256,9 @@ class StepTimeModel:
     either term, and wide verification passes that ran slower than priced drove a shared
     slope up until a plain decode step of 32 looked 3x dearer than it is (measured in the
     engine: 13 ms per sequence learned against 0.45 profiled), which made drafts look
-    cheap beside it. A pass
-    with no point within 20% of its n (a long prefill) is ignored: blaming its error on
-    either term would skew the decode-sized passes the controller plans.
+    cheap beside it. A pass with no point within 20% of its n (a long prefill) is ignored:
+    blaming its error on either term would skew the decode-sized passes the controller
+    plans.
 
     >>> m = StepTimeModel([(1, 0.02), (16, 0.03)], per_seq_s=0.004)
     >>> round(m(8.5), 4), round(m(8.5, b=4), 4)

@@ -181,6 +181,9 @@ GROUP_MIN_FILL = 0.5
 GATHER_MIN = 2
 # What one more gathered group costs, in padded query rows (its own kernels in each layer).
 GATHER_GROUP_ROWS = 8
+# The widest span that joins a group: a verification round of k = 8 (every slot of the
+# range pays W query rows, so a prefill chunk must not widen it).
+GROUP_MAX_WIDTH = 9
 
 
 def _width_classes(widths: Sequence[int], group_rows: float) -> list[tuple[int, int]]:
@@ -205,9 +208,6 @@ def _width_classes(widths: Sequence[int], group_rows: float) -> list[tuple[int, 
         runs.append((cut[j], j))
         j = cut[j]
     return runs[::-1]
-# The widest span that joins a group: a verification round of k = 8 (every slot of the
-# range pays W query rows, so a prefill chunk must not widen it).
-GROUP_MAX_WIDTH = 9
 
 
 # MKL's fp32 GEMM (W @ x^T) on this class of CPU (2 AVX2 cores) is fast only at some row
