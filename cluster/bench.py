@@ -69,25 +69,33 @@ class Mode:
     speculation: dict[str, Any]
 
 
-_MODE_RE = re.compile(r"(?P<kind>off|auto|static:(?P<k>\d+))(?:@(?P<method>[A-Za-z0-9_.-]+))?")
+_MODE_RE = re.compile(r"(?P<kind>off|auto(?::(?P<cap>\d+))?|static:(?P<k>\d+))(?:@(?P<method>[A-Za-z0-9_.-]+))?")
 
 
 def parse_mode(text: str) -> Mode:
-    """`off` | `static:K` (a fixed k every round) | `auto` (the server's controller); the
-    last two take an optional `@METHOD` (a configured proposer method).
+    """`off` | `static:K` (a fixed k every round) | `auto` (the server's controller) |
+    `auto:K` (the controller, at most K drafts a round); all but `off` take an optional
+    `@METHOD` (a configured proposer method).
 
     >>> parse_mode("static:4@ngram").speculation
     {'mode': 'on', 'max_k': 4, 'method': 'ngram'}
+    >>> parse_mode("auto:8").speculation
+    {'mode': 'auto', 'max_k': 8}
     """
     m = _MODE_RE.fullmatch(text.strip())
     if m is None:
-        raise ValueError(f"mode must be off, static:K or auto, the last two optionally @METHOD; got {text!r}")
+        raise ValueError(f"mode must be off, static:K, auto or auto:K, all but off optionally @METHOD; got {text!r}")
     if m["kind"] == "off":
         if m["method"]:
             raise ValueError(f"mode off takes no @METHOD; got {text!r}")
         return Mode("off", {"mode": "off"})
-    if m["kind"] == "auto":
+    if m["kind"].startswith("auto"):
         name, spec = "auto", {"mode": "auto"}
+        if m["cap"] is not None:
+            cap = int(m["cap"])
+            if cap < 1:
+                raise ValueError(f"auto:K needs K >= 1 (off is mode off); got {text!r}")
+            name, spec = f"auto:{cap}", {"mode": "auto", "max_k": cap}
     else:
         k = int(m["k"])
         if k < 1:
@@ -495,7 +503,8 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", type=_arg_type(_positive_ints), default=[1, 8, 32], metavar="LIST",
                    help="comma-separated requests in flight (default 1,8,32)")
     p.add_argument("--modes", type=_arg_type(parse_modes), default=parse_modes(DEFAULT_MODES), metavar="LIST",
-                   help=f"comma-separated off | static:K | auto, the last two optionally @METHOD (default {DEFAULT_MODES})")
+                   help=f"comma-separated off | static:K | auto | auto:K, all but off optionally @METHOD "
+                        f"(default {DEFAULT_MODES})")
     p.add_argument("--requests", type=_arg_type(_positive_int), default=None,
                    help=f"requests per run (default --requests-per-client x concurrency, at least {MIN_REQUESTS})")
     p.add_argument("--requests-per-client", type=_arg_type(_positive_int), default=2,

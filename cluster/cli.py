@@ -32,6 +32,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dynamic-tree", type=int, default=None, metavar="B",
                    help="draft or eagle: dynamic token trees for greedy requests, the B most likely paths at each "
                         "depth (e.g. 4; depth --k); default chains")
+    p.add_argument("--tree-budget", type=int, default=None, metavar="N",
+                   help="with --dynamic-tree: keep the N nodes of the most likely paths (EAGLE-2's rerank, e.g. "
+                        "15); default every node")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length per sequence")
 
 
@@ -46,6 +49,11 @@ def _tree_arg(args: argparse.Namespace) -> tuple[int, ...] | None:
                                             f"(speculation is {args.speculation!r})")
     if args.dynamic_tree is not None and args.dynamic_tree < 1:
         raise InvalidRequestError("dynamic_tree", f"must be >= 1, got {args.dynamic_tree}")
+    if args.tree_budget is not None:
+        if args.dynamic_tree is None:
+            raise InvalidRequestError("tree_budget", "reranks a dynamic tree's nodes: give --dynamic-tree too")
+        if args.tree_budget < 1:
+            raise InvalidRequestError("tree_budget", f"must be >= 1, got {args.tree_budget}")
     if args.tree is None:
         return None
     if args.dynamic_tree is not None:
@@ -80,6 +88,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = build_local_engine(LocalEngineSpec(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
         k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree, dynamic_tree=args.dynamic_tree,
+        tree_budget=args.tree_budget,
     ))
     tok = engine.tokenizer
     if args.chat:
@@ -113,6 +122,7 @@ def _generate(args: argparse.Namespace) -> int:
             "k": args.k,
             "tree": None if tree is None else list(tree),
             "dynamic_tree": args.dynamic_tree,
+            "tree_budget": args.tree_budget,
             "dtype": args.dtype,
             "stats": summary,
         }))

@@ -76,7 +76,7 @@ class ProposerConfig(_Strict):
     """One proposer deployment."""
 
     method: str = Field(..., description="Registered proposal method, e.g. 'ngram'.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Method options, e.g. {min_n: 2, max_n: 4} for ngram, {tree: [3, 2, 1]} or {dynamic_tree: 4} for draft or eagle.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Method options, e.g. {min_n: 2, max_n: 4} for ngram, {tree: [3, 2, 1]}, {dynamic_tree: 4} or {dynamic_tree: 4, tree_budget: 15} for draft or eagle.")
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of a model proposer (draft, eagle); null = Ray's default, "
         "resources.num_cpus rounded down, at least 1. N-gram never uses torch.")
@@ -105,13 +105,19 @@ class ProposerConfig(_Strict):
             raise ValueError(f"dynamic_tree must be a number of nodes a depth >= 1, e.g. 4 (given: {dynamic!r})")
         if tree is not None and dynamic is not None:
             raise ValueError("tree and dynamic_tree exclude each other: fixed widths or a dynamic tree")
+        budget = options.get("tree_budget")
+        if budget is not None:
+            if not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1):
+                raise ValueError(f"tree_budget must be a number of nodes >= 1, e.g. 15 (given: {budget!r})")
+            if dynamic is None:
+                raise ValueError("tree_budget reranks a dynamic tree's nodes: set dynamic_tree too")
         return options
 
     @model_validator(mode="after")
     def _trees_are_drafted_by_models(self) -> "ProposerConfig":
         from proposers.registry import DRAFTS_TREES
 
-        for name in ("tree", "dynamic_tree"):
+        for name in ("tree", "dynamic_tree", "tree_budget"):
             if self.options.get(name) is not None and self.method not in DRAFTS_TREES:
                 raise ValueError(f"options.{name}: token trees are drafted by the model proposers, draft and eagle, "
                                  f"only (method {self.method!r})")

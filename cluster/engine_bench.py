@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import operator
+import re
 import statistics
 import sys
 import time
@@ -131,7 +132,8 @@ def _run_hf(hf, prompts: list[list[int]], max_tokens: int, eos_ids) -> tuple[lis
 def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
     """One engine per mode: "off", "METHOD:K" (that proposer, static k), "METHOD:K:W-W-..."
     (a draft model or EAGLE head drafting token trees of those widths, `DraftModelConfig.tree`,
-    depth K), "METHOD:K:dB" (dynamic trees of B nodes a depth, `DraftModelConfig.dynamic_tree`)
+    depth K), "METHOD:K:dB" (dynamic trees of B nodes a depth, `DraftModelConfig.dynamic_tree`; "dB/N":
+    reranked to N nodes, `tree_budget`)
     or "auto" (the goodput controller choosing among every method named in the modes,
     else n-gram)."""
     from proposers.registry import build_proposer
@@ -155,11 +157,18 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
             engines[mode].profile_step_time()
         else:
             method, k, *tree = mode.split(":")
-            shape = {} if not tree else {"dynamic_tree": int(tree[0][1:])} if tree[0].startswith("d") else {
+            shape = {} if not tree else _dynamic(tree[0]) if tree[0].startswith("d") else {
                 "tree": [int(w) for w in tree[0].split("-")]}
             source = build_proposer(method, {**options(method), **shape}) if shape else proposers[method]
             engines[mode] = Engine(model, tokenizer, config, {method: source}, Controller.static(int(k), (method,)))
     return engines
+
+
+def _dynamic(text: str) -> dict:
+    """`dB` -> dynamic trees of B nodes a depth; `dB/N` -> the same, reranked to N nodes
+    (`DraftModelConfig.tree_budget`)."""
+    nodes, _, budget = text[1:].partition("/")
+    return {"dynamic_tree": int(nodes), **({"tree_budget": int(budget)} if budget else {})}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -289,7 +298,8 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", default=None,
                    help="comma-separated: off, METHOD:K (e.g. draft:4, eagle:4), METHOD:K:W-W-... (a draft "
                         "model or EAGLE head drafting token trees of those widths, e.g. draft:3:4-1-1), METHOD:K:dB "
-                        "(dynamic trees of B nodes a depth, e.g. eagle:3:d4) or auto "
+                        "(dynamic trees of B nodes a depth, e.g. eagle:3:d4), METHOD:K:dB/N (the same reranked to "
+                        "N nodes, e.g. eagle:5:d4/15) or auto "
                         "(the goodput controller over the methods named); default off,ngram:K")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -306,9 +316,9 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     for mode in args.modes:
         parts = mode.split(":")
         if mode not in ("off", "auto") and not (len(parts) in (2, 3) and parts[1].isdigit() and (
-                len(parts) == 2 or all(w.isdigit() and int(w) > 0 for w in parts[2].removeprefix("d").split("-"))
-                and (parts[2][0] != "d" or "-" not in parts[2]))):
-            raise InvalidRequestError("modes", f"{mode!r} is not off, auto, METHOD:K, METHOD:K:W-W-... or METHOD:K:dB")
+                len(parts) == 2 or re.fullmatch(r"[1-9]\d*(-[1-9]\d*)*|d[1-9]\d*(/[1-9]\d*)?", parts[2]))):
+            raise InvalidRequestError("modes", f"{mode!r} is not off, auto, METHOD:K, METHOD:K:W-W-..., METHOD:K:dB "
+                                               f"or METHOD:K:dB/N")
     if args.interleave and args.continuous:
         raise InvalidRequestError("interleave", "runs fixed groups of BATCH requests; --continuous has none")
     return args

@@ -36,6 +36,8 @@ class LocalEngineSpec:
     #: nodes a depth of its dynamic trees (`DraftModelConfig.dynamic_tree`); None: chains.
     tree: tuple[int, ...] | None = None
     dynamic_tree: int | None = None
+    #: The most nodes a dynamic tree keeps (`DraftModelConfig.tree_budget`); None: all.
+    tree_budget: int | None = None
 
 
 def check_vocabularies(tokenizer: Tokenizer, proposers: Mapping[str, ProposalSource]) -> None:
@@ -57,7 +59,8 @@ def build_local_engine(spec: LocalEngineSpec) -> Engine:
     config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
     if spec.speculation == OFF or spec.k == 0:
         return Engine(model, tokenizer, config, None, Controller.off())
-    shape = {"tree": None if spec.tree is None else list(spec.tree), "dynamic_tree": spec.dynamic_tree}
+    shape = {"tree": None if spec.tree is None else list(spec.tree), "dynamic_tree": spec.dynamic_tree,
+             "tree_budget": spec.tree_budget}
     proposer = build_proposer(spec.speculation, {k: v for k, v in shape.items() if v is not None})
     check_vocabularies(tokenizer, {spec.speculation: proposer})
     return Engine(model, tokenizer, config, proposer, Controller.static(spec.k))

@@ -143,6 +143,24 @@ def hf_layers(tensors: dict[str, torch.Tensor], prefix: str, num_layers: int, dt
     return layers
 
 
+def rerank(tokens: list[int], parents: list[int], score: list[float], budget: int) -> tuple[list[int], list[int]]:
+    """The `budget` nodes of a token tree with the highest path scores (log-probabilities,
+    so never higher than the parent's), ties to the earlier node, in their tree order, with
+    parents renumbered (-1: the root). A parent scores at least as high as its child and
+    comes first, so the nodes kept form a subtree.
+
+    >>> rerank([10, 11, 12, 13], [-1, -1, 0, 1], [-0.1, -2.0, -0.5, -2.1], 3)
+    ([10, 11, 12], [-1, -1, 0])
+    >>> rerank([10, 11, 12, 13], [-1, -1, 0, 2], [-0.1, -2.0, -0.5, -0.5], 3)
+    ([10, 12, 13], [-1, 0, 1])
+    """
+    best = sorted(range(len(tokens)), key=lambda i: (-score[i], i))[:budget]
+    keep = sorted(best)
+    index = {old: new for new, old in enumerate(keep)}
+    assert all(parents[i] < 0 or parents[i] in index for i in keep), "a kept node's parent was cut"
+    return [tokens[i] for i in keep], [-1 if parents[i] < 0 else index[parents[i]] for i in keep]
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftModelConfig:
     #: KV slots. A new sequence beyond them evicts the least recently used one, which
@@ -168,6 +186,12 @@ class DraftModelConfig:
     #: `dynamic_tree` * k drafts, branching where the proposer is unsure and running as a
     #: chain where it is sure. None: `tree`, else chains.
     dynamic_tree: int | None = None
+    #: With `dynamic_tree`: the most drafts a tree keeps (EAGLE-2's rerank). Once the tree
+    #: is expanded to depth k, its `tree_budget` nodes of the most likely paths stay, from
+    #: any depth: a subtree, since a path is never more likely than its parent's. So a
+    #: tree spends a fixed number of drafts (e.g. 15: 16 rows with the root, one GEMM row
+    #: class on CPU) where they are likeliest to be accepted. None: every node.
+    tree_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_k", "sample_top_k"):
@@ -182,6 +206,11 @@ class DraftModelConfig:
                 raise ValueError("tree and dynamic_tree exclude each other: fixed widths or a dynamic tree")
             if self.dynamic_tree < 1:
                 raise ValueError(f"dynamic_tree must be >= 1, got {self.dynamic_tree}")
+        if self.tree_budget is not None:
+            if self.dynamic_tree is None:
+                raise ValueError("tree_budget needs dynamic_tree: it reranks a dynamic tree's nodes")
+            if self.tree_budget < 1:
+                raise ValueError(f"tree_budget must be >= 1, got {self.tree_budget}")
 
     def widths(self, k: int) -> list[int] | None:
         """Children each node offers at depths 1..k of a greedy request's tree (a dynamic
@@ -423,7 +452,10 @@ class DraftModelProposer:
                 for (_, a), token in zip(chains, picked):
                     parents[a].append(len(tokens[a]) - 1)
                     tokens[a].append(token)
+        budget = self.config.tree_budget
         for a, (_, seq, _, _) in enumerate(drafting):
+            if budget is not None and widths[a] is not None and len(tokens[a]) > budget:
+                tokens[a], parents[a] = rerank(tokens[a], parents[a], score[a], budget)
             if widths[a] is None:  # the cache holds context + drafts 1..k-1: kept for the next round's match
                 seq.ids[seq.ctx_len : seq.ctx_len + len(tokens[a])] = tokens[a]
             else:  # tree nodes are not a continuation: back to the context

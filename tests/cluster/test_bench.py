@@ -36,6 +36,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
     ("auto", "auto", {"mode": "auto"}),
     ("static:4@ngram", "static:4@ngram", {"mode": "on", "max_k": 4, "method": "ngram"}),
     ("auto@draft-model", "auto@draft-model", {"mode": "auto", "method": "draft-model"}),
+    ("auto:08", "auto:8", {"mode": "auto", "max_k": 8}),
+    ("auto:3@ngram", "auto:3@ngram", {"mode": "auto", "max_k": 3, "method": "ngram"}),
 ])
 def test_parse_mode(text, name, speculation):
     mode = parse_mode(text)
@@ -43,7 +45,7 @@ def test_parse_mode(text, name, speculation):
 
 
 @pytest.mark.parametrize("text", ["", "on", "static", "static:", "static:0", "static:-1", "static:k", "off@ngram",
-                                  "auto@", "auto@a b", "AUTO", "static:4@ngram@x"])
+                                  "auto@", "auto@a b", "AUTO", "static:4@ngram@x", "auto:", "auto:0", "auto:x"])
 def test_parse_mode_rejects(text):
     with pytest.raises(ValueError, match="got"):
         parse_mode(text)

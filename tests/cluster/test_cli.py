@@ -71,6 +71,18 @@ def test_generate_with_dynamic_draft_trees_gives_the_same_tokens(ngram_json):
     assert stats["drafted"] > 3 * stats["rounds_with_drafts"] and stats["mean_acceptance_length"] > 1.0
 
 
+def test_generate_with_reranked_dynamic_trees_gives_the_same_tokens(ngram_json):
+    proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40", "--speculation", "draft",
+                     "--k", "4", "--dynamic-tree", "3", "--tree-budget", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == ngram_json["token_ids"] and out["tree_budget"] == 5
+    # Trees of 3 nodes a depth to depth 4 (12 nodes), reranked to 5: at most 5 drafts a round.
+    stats = out["stats"]
+    assert stats["drafted"] <= 5 * stats["rounds_with_drafts"] and stats["accepted"] <= 4 * stats["rounds_with_drafts"]
+    assert stats["drafted"] > 4 * stats["rounds_with_drafts"] and stats["mean_acceptance_length"] > 1.0
+
+
 def test_generate_streams_text_then_a_summary(ngram_json):
     proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40")
     assert proc.returncode == 0, proc.stderr
@@ -91,6 +103,8 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--dynamic-tree", "4"], "dynamic_tree"),  # n-gram: no trees
         (["--prompt", "hi", "--speculation", "draft", "--dynamic-tree", "0"], "dynamic_tree"),
         (["--prompt", "hi", "--speculation", "draft", "--dynamic-tree", "2", "--tree", "2,1"], "tree"),
+        (["--prompt", "hi", "--speculation", "draft", "--tree-budget", "4"], "tree_budget"),
+        (["--prompt", "hi", "--speculation", "eagle", "--dynamic-tree", "2", "--tree-budget", "0"], "tree_budget"),
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field):

@@ -322,6 +322,10 @@ def test_tree_shapes_are_checked():
         DraftModelConfig(dynamic_tree=0)
     with pytest.raises(ValueError, match="each >= 1"):
         DraftModelConfig(tree=(2, 0))
+    with pytest.raises(ValueError, match="tree_budget needs dynamic_tree"):
+        DraftModelConfig(tree=(2, 1), tree_budget=2)
+    with pytest.raises(ValueError, match="tree_budget must be >= 1"):
+        DraftModelConfig(dynamic_tree=2, tree_budget=0)
 
 
 @pytest.mark.slow

@@ -126,7 +126,8 @@ def test_a_dynamic_tree_keeps_the_most_likely_paths_as_hf_computes(hf_model, tok
     children of every node of the depth before, with the highest sum of the draft's
     log-probabilities (over its vocabulary subset), as HF transformers computes them on
     the same weights over each path whole; nodes are listed breadth first, grouped by
-    parent in the depth's order, siblings best first."""
+    parent in the depth's order, siblings best first. With `tree_budget` the most likely
+    of those nodes stay."""
     hf, vocab_ids = _hf_draft(hf_model)
     B = 3
     proposer = build_proposer("draft", {"max_num_seqs": 1, "max_k": 4, "dynamic_tree": B})
@@ -139,7 +140,7 @@ def test_a_dynamic_tree_keeps_the_most_likely_paths_as_hf_computes(hf_model, tok
         top = torch.topk(logp, B)
         return [(float(v), int(vocab_ids[i])) for v, i in zip(top.values, top.indices)]
 
-    want_ids, want_parents = [], []
+    want_ids, want_parents, want_scores = [], [], []
     depth = [(-1, [], 0.0)]  # (node index, path of ids, path log-prob)
     for _ in range(3):
         offers = [(score + lp, parent_pos, rank, token)
@@ -152,6 +153,17 @@ def test_a_dynamic_tree_keeps_the_most_likely_paths_as_hf_computes(hf_model, tok
             nxt.append((len(want_ids), path + [token], score))
             want_ids.append(token)
             want_parents.append(node)
+            want_scores.append(score)
         depth = nxt
     assert p.draft_token_ids.tolist() == want_ids
     assert p.draft_parents.tolist() == want_parents
+
+    # EAGLE-2's rerank, `tree_budget` 5: of those 9 nodes, the 5 of the highest path
+    # log-probability, in the same order, parents renumbered among them.
+    order = sorted(range(len(want_ids)), key=lambda i: -want_scores[i])
+    assert want_scores[order[4]] - want_scores[order[5]] > 1e-3, want_scores  # no near tie decides it
+    kept = sorted(order[:5])
+    budgeted = build_proposer("draft", {"max_num_seqs": 1, "max_k": 4, "dynamic_tree": B, "tree_budget": 5})
+    (r,) = budgeted.propose_sync([ProposalRequest("s", 0, np.asarray(context, np.int32), 3, 0.0)])
+    assert r.draft_token_ids.tolist() == [want_ids[i] for i in kept]
+    assert r.draft_parents.tolist() == [-1 if want_parents[i] < 0 else kept.index(want_parents[i]) for i in kept]
