@@ -117,6 +117,14 @@ class ProposerConfig(_Strict):
     def _trees_are_drafted_by_models(self) -> "ProposerConfig":
         from proposers.registry import DRAFTS_TREES
 
+        subset = self.options.get("vocab_subset")
+        if subset is not None:
+            if self.method != "draft":
+                raise ValueError(f"options.vocab_subset: cuts a plain draft model's LM head, method draft only "
+                                 f"(method {self.method!r})")
+            if isinstance(subset, bool) or not isinstance(subset, int) or subset < 1:
+                raise ValueError(f"options.vocab_subset must be a number of tokens >= 1, e.g. 32768 "
+                                 f"(given: {subset!r})")
         for name in ("tree", "dynamic_tree", "tree_budget"):
             if self.options.get(name) is not None and self.method not in DRAFTS_TREES:
                 raise ValueError(f"options.{name}: token trees are drafted by the model proposers, draft and eagle, "

@@ -65,6 +65,57 @@ def with_layers(model: LlamaModel, layers: Sequence[int]) -> LlamaModel:
     return out
 
 
+#: Characters of standard-library source `ranked_vocabulary` reads besides the prompt set
+#: (about 1.7M tokens, 2 s, with a byte-level BPE of 152k tokens).
+RANKING_CORPUS_CHARS = 4_000_000
+
+
+def ranked_vocabulary(tokenizer, size: int) -> np.ndarray:
+    """The `size` ids of `tokenizer` most frequent in a local corpus (the prompt set that
+    `splitspec train` answers, in the chat template when there is one, then the standard
+    library's own source: English and code, never the benchmark's workloads; ties to the
+    lower id), always with the EOS ids; sorted by id. The frequency-ranked subset over which
+    a plain draft model runs its LM head (`with_vocab_subset`), as FR-Spec and EAGLE-3 do."""
+    from proposers.train import load_prompt_set, stdlib_files
+
+    counts = np.zeros(tokenizer.vocab_size, np.int64)
+
+    def count(text: str) -> None:
+        ids = np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64)
+        np.add.at(counts, ids[(ids >= 0) & (ids < counts.size)], 1)
+
+    for conversation in load_prompt_set():
+        count(tokenizer.apply_chat_template(conversation) if tokenizer.chat_template
+              else "\n".join(m["content"] for m in conversation))
+    left = RANKING_CORPUS_CHARS
+    for path in stdlib_files():
+        if left <= 0:
+            break
+        text = path.read_text(encoding="utf-8", errors="ignore")[:left]
+        count(text)
+        left -= len(text)
+    for i in tokenizer.eos_token_ids:
+        counts[i] = np.iinfo(np.int64).max
+    ranked = np.lexsort((np.arange(counts.size), -counts))[: min(size, counts.size)]
+    return np.sort(ranked).astype(np.int64)
+
+
+def with_vocab_subset(model: LlamaModel, vocab_ids: np.ndarray) -> LlamaModel:
+    """`model` with its LM head cut to the rows `vocab_ids` (same layers and embeddings):
+    logits column c is token `vocab_ids[c]`, which the proposer maps back (`token_map`), so
+    drafts are the same ids as before wherever the model's choice lies in the subset. Each
+    draft step then spends len(vocab_ids) / vocab_size of the LM head's time."""
+    ids = torch.from_numpy(np.asarray(vocab_ids, np.int64))
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= model.lm_head.shape[0]:
+        raise ValueError(f"vocab_ids must be ids in [0, {model.lm_head.shape[0]})")
+    out = copy.copy(model)
+    out.lm_head = model.lm_head[ids].contiguous()
+    out.lm_head_packed = None
+    if model.packed:
+        out.pack_weights()
+    return out
+
+
 def is_trained_draft(path: str | pathlib.Path) -> bool:
     """Whether `path` is a directory written by `splitspec train draft`."""
     cfg = pathlib.Path(path) / "config.json"

@@ -18,11 +18,12 @@ def _draft(options: dict[str, Any]) -> ProposalSource:
     `proposers/assets/`), `base` (the target whose embeddings a trained draft uses; default
     the bundled model), `tokenizer` (a directory, else the model's own), `dtype`, `layers`
     (run only these layer indices of a plain model, e.g. a self-speculative draft of the
-    target), and the fields of `DraftModelConfig`."""
+    target), `vocab_subset` (a plain model's LM head cut to its N most frequent tokens,
+    `ranked_vocabulary`; a trained draft has its own), and the fields of `DraftModelConfig`."""
     import torch
 
     from proposers.draft_model import (DraftModelConfig, DraftModelProposer, is_trained_draft, load_trained_draft,
-                                       with_layers)
+                                       ranked_vocabulary, with_layers, with_vocab_subset)
     from proposers.train import BUNDLED_DRAFT_DIR
     from verifier.errors import ModelLoadError
     from verifier.models.loader import DTYPES, load_model_and_tokenizer
@@ -32,6 +33,9 @@ def _draft(options: dict[str, Any]) -> ProposalSource:
     path, base = options.pop("path", None), options.pop("base", None)
     tokenizer_dir = options.pop("tokenizer", None)
     dtype, layers = options.pop("dtype", "float32"), options.pop("layers", None)
+    subset = options.pop("vocab_subset", None)
+    if subset is not None and (isinstance(subset, bool) or not isinstance(subset, int) or subset < 1):
+        raise ValueError(f"vocab_subset must be a number of tokens >= 1, got {subset!r}")
     config = DraftModelConfig(**options)
     if path is None:
         if not is_trained_draft(BUNDLED_DRAFT_DIR):
@@ -39,8 +43,9 @@ def _draft(options: dict[str, Any]) -> ProposalSource:
                                  f"or set the draft proposer's `path`")
         path = BUNDLED_DRAFT_DIR
     if is_trained_draft(path):
-        if layers is not None:
-            raise ValueError("option `layers` applies to a plain model, not to a trained draft")
+        if layers is not None or subset is not None:
+            raise ValueError("options `layers` and `vocab_subset` apply to a plain model, not to a trained draft "
+                             "(whose LM head already covers a subset)")
         target, tokenizer = load_model_and_tokenizer(base, tokenizer_dir, "float32")
         vocab = VocabFingerprint.of(tokenizer)
         model, token_map = load_trained_draft(path, target, vocab, DTYPES.get(dtype, torch.float32))
@@ -48,7 +53,11 @@ def _draft(options: dict[str, Any]) -> ProposalSource:
     model, tokenizer = load_model_and_tokenizer(path, tokenizer_dir, dtype)
     if layers is not None:
         model = with_layers(model, [int(i) for i in layers])
-    return DraftModelProposer(model, VocabFingerprint.of(tokenizer), config)
+    token_map = None
+    if subset is not None and subset < model.lm_head.shape[0]:
+        token_map = ranked_vocabulary(tokenizer, subset)
+        model = with_vocab_subset(model, token_map)
+    return DraftModelProposer(model, VocabFingerprint.of(tokenizer), config, token_map=token_map)
 
 
 def _eagle(options: dict[str, Any]) -> ProposalSource:

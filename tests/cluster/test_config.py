@@ -68,6 +68,8 @@ def test_a_bare_policy_off_is_the_off_policy(tmp_path):
         ("proposers: [{method: eagle, options: {tree: [2], dynamic_tree: 2}}]", "proposers.0.options",
          "exclude each other"),
         ("proposers: [{method: eagle, options: {tree_budget: 15}}]", "proposers.0.options", "set dynamic_tree too"),
+        ("proposers: [{method: eagle, options: {vocab_subset: 1000}}]", "proposers.0", "method draft only"),
+        ("proposers: [{method: draft, options: {vocab_subset: 0}}]", "proposers.0", "number of tokens >= 1"),
         ("proposers: [{method: draft, options: {dynamic_tree: 4, tree_budget: 0}}]", "proposers.0.options",
          "number of nodes >= 1"),
         ("model: {dtype: float16}", "model.dtype", "'float16'"),

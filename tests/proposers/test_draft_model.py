@@ -20,7 +20,9 @@ import torch
 
 from cluster.workloads import load_prompts
 from protos.proposal import ProposalRequest
-from proposers.draft_model import DraftModelConfig, DraftModelProposer, with_layers
+from proposers.draft_model import (DraftModelConfig, DraftModelProposer, ranked_vocabulary, with_layers,
+                                   with_vocab_subset)
+from proposers.registry import build_proposer
 from verifier.controller import Controller
 from verifier.engine import Engine, EngineConfig
 from verifier.models.vocab import VocabFingerprint
@@ -101,6 +103,46 @@ def test_token_ids_outside_the_vocabulary_are_refused(model, vocab):
     draft = DraftModelProposer(with_layers(model, [0]), vocab, DraftModelConfig(max_num_seqs=1, max_model_len=64))
     with pytest.raises(ValueError, match="append_token_ids"):
         draft.propose_sync([_request("a", 0, [1, 49152], 2)])
+
+
+def test_the_target_as_its_own_draft_over_a_vocabulary_subset_accepts_exactly_the_tokens_inside(
+        model, tokenizer, vocab, prompts):
+    """A draft's LM head cut to the 3000 most frequent tokens (`vocab_subset`): the target
+    drafting for itself proposes its own greedy token wherever that token is in the subset
+    and something else where it is not. So, decoding the expected tokens (plain decoding)
+    by hand in rounds of k = 4, a round accepts the drafts up to the first expected token
+    outside the subset and emits one more."""
+    ids = ranked_vocabulary(tokenizer, 3000)
+    assert ids.size == 3000 and np.all(np.diff(ids) > 0) and set(tokenizer.eos_token_ids) <= set(ids.tolist())
+    assert {tokenizer.encode(w, add_special_tokens=False)[0] for w in (" the", "def", " return")} <= set(ids.tolist())
+    inside = set(ids.tolist())
+    params = SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(max_num_seqs=3, max_model_len=512)
+    expected = [r.token_ids for r in Engine(model, tokenizer, config, None, Controller.off()).generate_sync(prompts, params)]
+    draft = DraftModelProposer(with_vocab_subset(model, ids), vocab, DraftModelConfig(max_num_seqs=3, max_model_len=512),
+                               token_map=ids)
+    results = Engine(model, tokenizer, config, {"draft": draft}, Controller.static(4, ("draft",))).generate_sync(
+        prompts, params)
+    assert [r.token_ids for r in results] == expected
+    total_outside = 0
+    for want, r in zip(expected, results):
+        accepted, drafted, pos = 0, 0, 1  # token 0 comes from the prefill
+        while pos < len(want):
+            k = min(4, len(want) - pos - 1)
+            run = 0
+            while run < k and want[pos + run] in inside:
+                run += 1
+            drafted, accepted, pos = drafted + k, accepted + run, pos + run + 1
+        assert (r.stats.drafted, r.stats.accepted) == (drafted, accepted)
+        total_outside += sum(t not in inside for t in want[1:])
+    assert total_outside > 0  # the subset did cut some rounds short
+
+
+def test_vocab_subset_is_for_plain_models():
+    with pytest.raises(ValueError, match="apply to a plain model"):
+        build_proposer("draft", {"vocab_subset": 1000})  # the committed draft is trained, with its own subset
+    with pytest.raises(ValueError, match="vocab_subset must be a number of tokens >= 1"):
+        build_proposer("draft", {"vocab_subset": 0})
 
 
 @pytest.mark.parametrize("layers, all_accepted", [(None, True), (SKIP_3, False)])
