@@ -14,6 +14,7 @@ was given. Defaults run on a 2-core laptop with the bundled model.
 
 from __future__ import annotations
 
+import os
 import pathlib
 from typing import Any, Literal
 
@@ -63,13 +64,23 @@ class ResourcesConfig(_Strict):
         "proposers on the worker group that declares that resource (k8s/).")
 
 
+#: Proposer options that name files or directories (a leading ~ is the user's home).
+PATH_OPTIONS = ("path", "base", "tokenizer")
+
+
 class TargetConfig(_Strict):
     """The target model."""
 
-    path: str | None = Field(None, description="A .gguf file or HF checkpoint directory; null = bundled SmolLM2-135M-Instruct.")
+    path: str | None = Field(None, description="A .gguf file or HF checkpoint directory (a leading ~ is the user's "
+                             "home); null = bundled SmolLM2-135M-Instruct.")
     tokenizer: str | None = Field(None, description="Local tokenizer directory; null = from the model.")
     name: str | None = Field(None, description="Name served in /v1/models; null = derived from the path.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="float32 is exact; bfloat16 is faster on GPUs and bf16 CPUs.")
+
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _home(cls, path: str | None) -> str | None:
+        return None if path is None else os.path.expanduser(path)
 
 
 class ProposerConfig(_Strict):
@@ -96,6 +107,8 @@ class ProposerConfig(_Strict):
     @field_validator("options")
     @classmethod
     def _tree_widths(cls, options: dict[str, Any]) -> dict[str, Any]:
+        options = {k: os.path.expanduser(v) if k in PATH_OPTIONS and isinstance(v, str) else v
+                   for k, v in options.items()}
         tree = options.get("tree")
         if tree is not None and not (isinstance(tree, list) and tree and all(
                 isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in tree)):

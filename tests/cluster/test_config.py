@@ -21,10 +21,23 @@ def test_defaults_serve_the_bundled_model_with_ngram():
 
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-cluster.yaml", "bench-cpu.yaml", "bench-cpu-eagle.yaml",
                                   "bench-cpu-eagle-tree.yaml", "bench-cpu-eagle-dynamic-tree.yaml",
-                                  "bench-cpu-all.yaml"])
+                                  "bench-cpu-all.yaml", "bench-cpu-qwen-coder.yaml"])
 def test_shipped_examples_validate(name):
     c = load_config(CONFIG_DIR / name)
     assert isinstance(c, SplitspecConfig) and c.proposers
+
+
+def test_a_leading_tilde_in_a_path_is_the_home_directory(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/someone")
+    c = SplitspecConfig.model_validate({
+        "model": {"path": "~/models/t.gguf", "tokenizer": "tok/dir"},
+        "proposers": [{"method": "draft", "options": {"path": "~/models/d.gguf", "base": "~/b.gguf", "max_k": 4}},
+                      {"method": "ngram", "options": {"min_n": 2}}]})
+    assert (c.model.path, c.model.tokenizer) == ("/home/someone/models/t.gguf", "tok/dir")
+    assert c.proposers[0].options == {"path": "/home/someone/models/d.gguf", "base": "/home/someone/b.gguf", "max_k": 4}
+    qwen = load_config(CONFIG_DIR / "bench-cpu-qwen-coder.yaml")
+    assert qwen.model.path == "/home/someone/.cache/splitspec/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    assert qwen.proposers[0].options["vocab_subset"] == 65536
 
 
 def test_controller_section_maps_onto_the_controller():
