@@ -106,9 +106,13 @@ class ProposerConfig(_Strict):
 
     @field_validator("options")
     @classmethod
+    def _home(cls, options: dict[str, Any]) -> dict[str, Any]:
+        return {k: os.path.expanduser(v) if k in PATH_OPTIONS and isinstance(v, str) else v
+                for k, v in options.items()}
+
+    @field_validator("options")
+    @classmethod
     def _tree_widths(cls, options: dict[str, Any]) -> dict[str, Any]:
-        options = {k: os.path.expanduser(v) if k in PATH_OPTIONS and isinstance(v, str) else v
-                   for k, v in options.items()}
         tree = options.get("tree")
         if tree is not None and not (isinstance(tree, list) and tree and all(
                 isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in tree)):
@@ -127,9 +131,7 @@ class ProposerConfig(_Strict):
         return options
 
     @model_validator(mode="after")
-    def _trees_are_drafted_by_models(self) -> "ProposerConfig":
-        from proposers.registry import DRAFTS_TREES
-
+    def _vocab_subset_is_for_drafts(self) -> "ProposerConfig":
         subset = self.options.get("vocab_subset")
         if subset is not None:
             if self.method != "draft":
@@ -138,6 +140,12 @@ class ProposerConfig(_Strict):
             if isinstance(subset, bool) or not isinstance(subset, int) or subset < 1:
                 raise ValueError(f"options.vocab_subset must be a number of tokens >= 1, e.g. 32768 "
                                  f"(given: {subset!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _trees_are_drafted_by_models(self) -> "ProposerConfig":
+        from proposers.registry import DRAFTS_TREES
+
         for name in ("tree", "dynamic_tree", "tree_budget"):
             if self.options.get(name) is not None and self.method not in DRAFTS_TREES:
                 raise ValueError(f"options.{name}: token trees are drafted by the model proposers, draft and eagle, "

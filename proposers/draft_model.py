@@ -76,7 +76,7 @@ def ranked_vocabulary(tokenizer, size: int) -> np.ndarray:
     library's own source: English and code, never the benchmark's workloads; ties to the
     lower id), always with the EOS ids; sorted by id. The frequency-ranked subset over which
     a plain draft model runs its LM head (`with_vocab_subset`), as FR-Spec and EAGLE-3 do."""
-    from proposers.train import load_prompt_set, stdlib_files
+    from proposers.train import load_prompt_set, most_counted, stdlib_files
 
     counts = np.zeros(tokenizer.vocab_size, np.int64)
 
@@ -94,10 +94,7 @@ def ranked_vocabulary(tokenizer, size: int) -> np.ndarray:
         text = path.read_text(encoding="utf-8", errors="ignore")[:left]
         count(text)
         left -= len(text)
-    for i in tokenizer.eos_token_ids:
-        counts[i] = np.iinfo(np.int64).max
-    ranked = np.lexsort((np.arange(counts.size), -counts))[: min(size, counts.size)]
-    return np.sort(ranked).astype(np.int64)
+    return most_counted(counts, size, tokenizer.eos_token_ids)
 
 
 def with_vocab_subset(model: LlamaModel, vocab_ids: np.ndarray) -> LlamaModel:

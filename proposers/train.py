@@ -405,11 +405,16 @@ def frequent_ids(corpus: Corpus, size: int, vocab_size: int, always: set[int]) -
     for _, labels in corpus.train:
         lab = np.asarray(labels)
         np.add.at(counts, lab[lab >= 0], 1)
+    return most_counted(counts, size, always).astype(np.int32)
+
+
+def most_counted(counts: np.ndarray, size: int, always) -> np.ndarray:
+    """The `size` ids of the highest `counts` (ties: lower id first), always including
+    `always`, sorted by id (int64). `counts` is changed in place for `always`."""
     for i in always:
         counts[i] = np.iinfo(np.int64).max
-    size = min(size, vocab_size)
-    ranked = np.lexsort((np.arange(vocab_size), -counts))[:size]
-    return np.sort(ranked).astype(np.int32)
+    ranked = np.lexsort((np.arange(counts.size), -counts))[: min(size, counts.size)]
+    return np.sort(ranked).astype(np.int64)
 
 
 # ---------------------------------------------------------------------------- model
