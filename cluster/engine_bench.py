@@ -143,7 +143,9 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
     methods = sorted({m.split(":")[0] for m in args.modes if ":" in m}) or ["ngram"]
 
     def options(method: str) -> dict:
-        return {"path": args.draft_model} if method == "draft" and args.draft_model else {}
+        if method != "draft" or not args.draft_model:
+            return {}
+        return {"path": args.draft_model, **({"vocab_subset": args.draft_vocab_subset} if args.draft_vocab_subset else {})}
 
     proposers = {m: build_proposer(m, options(m)) for m in methods}
     engines = {}
@@ -283,6 +285,9 @@ def add_parser(sub) -> None:
                    help="the draft model of `draft:K` modes: a GGUF file, an HF directory or a `splitspec train "
                         "draft` output (default: the draft trained for the bundled model), e.g. the "
                         "Qwen2.5-Coder-0.5B of `splitspec models fetch qwen-coder` with --model its 1.5B")
+    p.add_argument("--draft-vocab-subset", type=int, default=None, metavar="N",
+                   help="cut --draft-model's LM head to its N most frequent tokens (the draft option "
+                        "`vocab_subset`), e.g. 65536 for the Qwen2.5-Coder-0.5B")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--workload", action="append", choices=WORKLOADS,
                    help="repeatable (default: code_edit and chat)")
@@ -319,6 +324,14 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
                 len(parts) == 2 or re.fullmatch(r"[1-9]\d*(-[1-9]\d*)*|d[1-9]\d*(/[1-9]\d*)?", parts[2]))):
             raise InvalidRequestError("modes", f"{mode!r} is not off, auto, METHOD:K, METHOD:K:W-W-..., METHOD:K:dB "
                                                f"or METHOD:K:dB/N")
+    if args.draft_vocab_subset is not None:
+        from proposers.draft_model import is_trained_draft
+
+        if args.draft_vocab_subset < 1:
+            raise InvalidRequestError("draft_vocab_subset", f"must be >= 1, got {args.draft_vocab_subset}")
+        if args.draft_model is None or is_trained_draft(args.draft_model):
+            raise InvalidRequestError("draft_vocab_subset", "cuts a plain --draft-model's LM head (a GGUF file or "
+                                                            "an HF directory); a trained draft's covers a subset already")
     if args.interleave and args.continuous:
         raise InvalidRequestError("interleave", "runs fixed groups of BATCH requests; --continuous has none")
     return args

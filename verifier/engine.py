@@ -658,7 +658,10 @@ class Engine:
             return None
         finally:
             seconds = time.perf_counter() - start
-            self.controller.observe_proposer(method, seconds, max((r.k for r in requests), default=0))
+            # A sequence catching up on more than a round emits (its first call, a resync, a
+            # return after rounds without drafts) makes this call no measure of a round's.
+            catch_up = any(len(r.append_token_ids) > self.config.max_k + 1 for r in requests)
+            self.controller.observe_proposer(method, seconds, max((r.k for r in requests), default=0), catch_up)
             self.observer.on_proposer_call(method, seconds, ok)
 
     def _clamp_k(self, seq: Sequence, k: int) -> int:

@@ -148,6 +148,34 @@ def test_engine_bench_takes_the_draft_model_to_use(tmp_path):
     assert rows["draft:3"]["acceptance_rate"] >= 0.8 and rows["draft:3"]["mean_acceptance_length"] > 2.5
 
 
+def test_engine_bench_cuts_the_draft_models_lm_head_to_a_subset(tmp_path):
+    # The target drafting for itself (all drafts accepted above) over a subset of one token,
+    # an EOS id: it can draft only EOS, which none of these 12 tokens is (a code_edit
+    # answer runs longer), so nothing is accepted, and the output is still the target's own.
+    from verifier.models.bundled import bundled_model_path
+
+    out = tmp_path / "bench.json"
+    proc = splitspec("engine-bench", "--workload", "code_edit", "--batch", "1", "--requests", "1", "--repeats", "1",
+                     "--max-tokens", "12", "--no-hf", "--modes", "off,draft:3", "--draft-model",
+                     str(bundled_model_path()), "--draft-vocab-subset", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert report["greedy_mismatches"] == 0 and rows["off"]["output_tokens"] == 12
+    assert rows["draft:3"]["acceptance_rate"] == 0.0 and rows["draft:3"]["mean_acceptance_length"] == 1.0
+
+
+@pytest.mark.parametrize("args", [["--draft-vocab-subset", "4096"],  # the default draft is a trained one
+                                  ["--draft-model", "TRAINED", "--draft-vocab-subset", "4096"],
+                                  ["--draft-model", "x.gguf", "--draft-vocab-subset", "0"]])
+def test_engine_bench_refuses_a_vocab_subset_it_cannot_cut(args):
+    from proposers.train import BUNDLED_DRAFT_DIR
+
+    args = [str(BUNDLED_DRAFT_DIR) if a == "TRAINED" else a for a in args]
+    proc = splitspec("engine-bench", "--modes", "off,draft:3", "--no-hf", *args, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: draft_vocab_subset: "), proc.stderr
+
+
 def _bench_3_requests_at_batch_2(tmp_path, flag: str, max_tokens: int) -> dict[str, dict]:
     """engine-bench's rows by mode for 3 code_edit requests at batch 2 with `flag`
     (`--interleave` or `--continuous`), after checking that both modes served all 3 and

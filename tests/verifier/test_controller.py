@@ -321,6 +321,25 @@ def test_proposer_latency_is_a_line_in_k_once_k_has_varied():
     assert flat(1) == flat(8) == pytest.approx(0.003)
 
 
+def test_a_call_that_catches_up_on_context_is_not_a_rounds_latency():
+    # A draft model's rounds: 0.1 s a draft (0.3 s at k = 3). A sequence's first call also
+    # fills the draft's KV cache with its prompt: 0.93 s at k = 5.
+    lat = ProposerLatency(ewma=0.2)
+    lat.observe(0.93, k=5, catch_up=True)  # nothing else yet: taken, proportional
+    assert lat(5) == pytest.approx(0.93)
+    for _ in range(20):
+        lat.observe(0.3, k=3)
+    # The first call that caught up on nothing replaced it: 0.1 s a draft, as measured.
+    assert [lat(k) for k in (1, 3, 5)] == pytest.approx([0.1, 0.3, 0.5])
+    lat.observe(0.93, k=5, catch_up=True)  # the next sequence's first call: left out
+    assert [lat(k) for k in (1, 3, 5)] == pytest.approx([0.1, 0.3, 0.5]) and lat.slope is None
+    # Taken in, the same call fits a line through both (EWMA moments: mean k 3 + 0.2 * 2 =
+    # 3.4, variance 12.2 - 3.4^2 = 0.64, covariance 1.65 - 3.4 * 0.426 = 0.2016): 0.315 s a
+    # draft, so one draft looks free (0.426 - 2.4 * 0.315 < 0) and five cost 0.93 s.
+    lat.observe(0.93, k=5)
+    assert lat.slope == pytest.approx(0.315, abs=1e-3) and lat(1) == 0.0 and lat(5) == pytest.approx(0.93, abs=1e-3)
+
+
 def test_a_model_proposers_drafts_are_sized_by_what_each_costs():
     # The CPU verifier at batch 1: T = 52 ms for 1 token, 59 ms for 2-4 (rows padded to 4),
     # 77 ms for 5-8. An EAGLE-like head: 1.5 ms + 2.5 ms per draft; c(j) = 0.45, so

@@ -186,6 +186,33 @@ def test_resync_recovers_exactly(model, tokenizer, code_prompt, plain):
     assert engine.stats.num_resyncs > 0 and r.stats.accepted > 0
 
 
+class _CatchUpRecorder(Controller):
+    """A static k = 4 that records, per proposer call, whether the engine flagged it as a
+    catch-up."""
+
+    def __init__(self):
+        super().__init__(ControllerSettings(policy="static", k=4))
+        self.catch_ups: list[bool] = []
+
+    def observe_proposer(self, method, seconds, k=None, catch_up=False):
+        self.catch_ups.append(catch_up)
+        super().observe_proposer(method, seconds, k, catch_up)
+
+
+def test_calls_that_catch_up_on_context_are_flagged(model, tokenizer, code_prompt, plain):
+    # One sequence whose proposer loses its state every third call: calls 1, 4, 7, ... send
+    # the whole context (the first call, then the resync after each loss), the others what
+    # a round emitted, at most k + 1 = 5 tokens. Only the former are catch-ups, which the
+    # controller's latency model leaves out (`ProposerLatency`).
+    expected = _first(plain, code_prompt, GREEDY).token_ids
+    controller = _CatchUpRecorder()
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), _ForgetfulProposer(),
+                    controller)
+    assert _first(engine, code_prompt, GREEDY).token_ids == expected
+    flags = controller.catch_ups
+    assert len(flags) >= 4 and flags == [i % 3 == 0 for i in range(len(flags))]
+
+
 class _RandomProposer:
     """Drafts uniformly random token ids: nearly always rejected, sometimes a long draft."""
 
