@@ -144,7 +144,7 @@ class VerifierReplica:
         from cluster.local import engine_from_config, load_model_and_tokenizer, verifier_threads
         from cluster.metrics import RayEngineMetrics
         from verifier.models.vocab import VocabFingerprint
-        from proposers.registry import NEEDS_HIDDEN_STATES
+        from proposers.registry import NEEDS_HIDDEN_STATES, hidden_state_layers
         from verifier.routing import RoutedProposalSource
         from verifier.server import VerifierServer
 
@@ -157,9 +157,11 @@ class VerifierReplica:
         # deployment name of each method, from the handles Serve passed in
         self._proposer_deployments = {p.method: h.deployment_name for p, h in zip(cfg.proposers, proposers)}
         vocab = VocabFingerprint.of(tokenizer)  # model proposers with another vocabulary are refused
+        options = {p.method: dict(p.options) for p in cfg.proposers}
         self._routers = {
             m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0, target_vocab=vocab,
-                                    needs_hidden_states=m in NEEDS_HIDDEN_STATES)
+                                    needs_hidden_states=m in NEEDS_HIDDEN_STATES,
+                                    hidden_state_layers=hidden_state_layers(m, options[m], model.config.num_layers))
             for m in self._proposer_deployments
         }
         methods = tuple(self._routers)

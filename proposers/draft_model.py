@@ -392,6 +392,9 @@ class DraftModelProposer:
         self.cache.rollback(seq.slot, min(same, kv_len, new_len - 1))
         return seq
 
+    #: `LlamaModel.forward`'s `hidden_layers` for the features a drafting pass feeds back
+    #: (None: the final states; an EAGLE-3 head's are before its final norm).
+    _feedback_layers: tuple[int, ...] | None = None
     #: The per-sequence state class (the EAGLE proposer adds its features).
     _state = _Seq
     #: Shortest context that can be drafted for (EAGLE needs one feature: 2 tokens).
@@ -467,7 +470,8 @@ class DraftModelProposer:
             index = torch.from_numpy(rows.astype(np.int64))
             out = self.model.forward(flat_ids, [drafting[a][1].slot for a in active], num_tokens, self.cache, index,
                                      hidden_index=index if features else None, trees=trees,
-                                     input_embeds=self._embeds(flat_ids, [f for _, f in feeds]))
+                                     input_embeds=self._embeds(flat_ids, [f for _, f in feeds]),
+                                     hidden_layers=self._feedback_layers)
             logits, out_features = out if features else (out, None)
             if j == 0:
                 for a in active:

@@ -23,6 +23,17 @@ Weights: the published EAGLE-1 layout (`fc.weight` [hidden, 2 hidden], optional 
 `lm_head` that may be left out because the target's are used), in `*.safetensors` next to
 an HF `config.json`; `splitspec train eagle` writes the same layout plus `splitspec.vocab_ids`
 (the frequency-ranked subset of LM-head rows the head drafts over, mapped back exactly).
+
+EAGLE-3 heads (Li et al. 2025) are loaded too, from their published layout: the feature is
+`fc` [hidden, 3 hidden] of the target's residual stream entering three of its layers
+(`eagle_config.eagle_aux_hidden_state_layer_ids` in `config.json`, by default 2, L // 2 and
+L - 3 of the target's L layers, as EAGLE-3 and vLLM take them), and one decoder layer
+(`midlayer.*`, or `layers.0.*`) whose attention reads [input_layernorm(embed(x_{t+1}));
+hidden_norm(g_t)] (q/k/v take 2 hidden) on the residual stream g_t. Its output before
+`norm` is the feature fed back for the next draft; `lm_head` [draft vocab, hidden] with
+`d2t` (draft id d is target id d + d2t[d]). The verifier then sends those three layers'
+states instead of the final ones (`Info.hidden_state_layers`); the head combines them with
+`fc` as they arrive, so it keeps one hidden-size feature per position either way.
 """
 
 from __future__ import annotations
@@ -49,11 +60,29 @@ class EagleHead:
     final norm unless the checkpoint has one, LM-head rows) plus the fusion `fc`."""
 
     model: LlamaModel
-    fc_weight: torch.Tensor  # [hidden, 2 * hidden]: input [embed(x); feature]
+    #: EAGLE-1: [hidden, 2 * hidden], input [embed(x); feature]. EAGLE-3: [hidden, 3 * hidden],
+    #: the target's states at `aux_layers` combined into the feature.
+    fc_weight: torch.Tensor
     fc_bias: torch.Tensor | None
     token_map: np.ndarray | None  # LM-head column -> target id; None when column c is id c
+    #: EAGLE-3: the target layers whose input states the head reads; None: EAGLE-1 (final states).
+    aux_layers: tuple[int, ...] | None = None
+
+    @property
+    def eagle3(self) -> bool:
+        return self.aux_layers is not None
+
+    def combine(self, target_states: torch.Tensor) -> torch.Tensor:
+        """The features of context positions from what the verifier sent: EAGLE-1 uses the
+        target's final states as they are, EAGLE-3 `fc` of its states at `aux_layers`."""
+        x = target_states.to(self.model.dtype)
+        return linear(x, self.fc_weight, self.fc_bias) if self.eagle3 else x
 
     def fuse(self, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """A pass's input rows (the residual stream): EAGLE-1 fuses the token embeddings
+        with the features; an EAGLE-3 layer reads the embeddings itself."""
+        if self.eagle3:
+            return features.to(self.model.dtype)
         x = torch.cat([self.model.embed[token_ids], features.to(self.model.dtype)], dim=-1)
         return linear(x, self.fc_weight, self.fc_bias)
 
@@ -105,6 +134,9 @@ def load_eagle(path: str | pathlib.Path, target: LlamaModel, target_vocab: Vocab
         return tensors[name].to(dtype)
 
     H = config.hidden_size
+    eagle3 = any(k in tensors for k in ("midlayer.hidden_norm.weight", "layers.0.hidden_norm.weight"))
+    if eagle3:
+        return _load_eagle3(path, meta, config, tensors, target, dtype)
     fc_weight = need("fc.weight")
     if tuple(fc_weight.shape) != (H, 2 * H):
         raise ModelLoadError(f"{path}: fc.weight has shape {list(fc_weight.shape)}, want [{H}, {2 * H}]")
@@ -121,6 +153,70 @@ def load_eagle(path: str | pathlib.Path, target: LlamaModel, target_vocab: Vocab
     norm = tensors["norm.weight"].to(dtype) if "norm.weight" in tensors else None
     model = LlamaModel(config, target.embed.to(dtype), layers, norm, head, dtype)
     return EagleHead(model, fc_weight, fc_bias, token_map)
+
+
+def head_hidden_state_layers(path: str | pathlib.Path, target_layers: int) -> tuple[int, ...] | None:
+    """Which target states the head in `path` reads, without loading it: None (the final
+    states) for an EAGLE-1 head, its aux layers for an EAGLE-3 one (a verifier sets up its
+    passes from this before the proposer's replicas answer `Info`)."""
+    from safetensors import safe_open
+
+    path = pathlib.Path(path)
+    keys: set[str] = set()
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as handle:
+            keys.update(k.removeprefix("model.") for k in handle.keys())
+    if not keys & {"midlayer.hidden_norm.weight", "layers.0.hidden_norm.weight"}:
+        return None
+    return eagle3_aux_layers(json.loads((path / "config.json").read_text()), target_layers)
+
+
+def eagle3_aux_layers(meta: dict, target_layers: int) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head reads (their input states), from its config.json:
+    `eagle_config.eagle_aux_hidden_state_layer_ids`, else EAGLE-3's (2, L // 2, L - 3)."""
+    ids = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return tuple(int(i) for i in ids) if ids else (2, target_layers // 2, target_layers - 3)
+
+
+def _load_eagle3(path: pathlib.Path, meta: dict, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                 target: LlamaModel, dtype: torch.dtype) -> EagleHead:
+    tc = target.config
+    H = config.hidden_size
+    tensors = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
+               for k, v in tensors.items()}
+    if config.num_layers != 1:
+        raise ModelLoadError(f"{path}: an EAGLE-3 head has one decoder layer, config.json says {config.num_layers}")
+    aux = eagle3_aux_layers(meta, tc.num_layers)
+    if not aux or any(not 0 <= i <= tc.num_layers for i in aux):
+        raise ModelLoadError(f"{path}: eagle_aux_hidden_state_layer_ids {list(aux)} must lie in "
+                             f"[0, {tc.num_layers}] (the target's layers)")
+    for name in ("fc.weight", "norm.weight"):
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: missing tensor {name!r}")
+    fc_weight = tensors["fc.weight"].to(dtype)
+    if tuple(fc_weight.shape) != (H, len(aux) * H):
+        raise ModelLoadError(f"{path}: fc.weight has shape {list(fc_weight.shape)}, want [{H}, {len(aux) * H}] "
+                             f"(the target's states at layers {list(aux)})")
+    fc_bias = tensors["fc.bias"].to(dtype) if "fc.bias" in tensors else None
+    (layer,) = hf_layers(tensors, "layers.", 1, dtype, str(path))
+    layer.hidden_norm = tensors["layers.0.hidden_norm.weight"].to(dtype)
+    qkv_in = layer.wqkv.shape[1]
+    if qkv_in != 2 * H:
+        raise ModelLoadError(f"{path}: q/k/v projections read {qkv_in} inputs, an EAGLE-3 layer reads {2 * H}")
+    head = tensors["lm_head.weight"].to(dtype) if "lm_head.weight" in tensors else target.lm_head.to(dtype)
+    token_map = None
+    if "d2t" in tensors:
+        d2t = tensors["d2t"].numpy().astype(np.int64)
+        if d2t.shape != (head.shape[0],):
+            raise ModelLoadError(f"{path}: d2t has shape {list(d2t.shape)}, want [{head.shape[0]}] (lm_head's rows)")
+        token_map = np.arange(head.shape[0], dtype=np.int64) + d2t
+        if token_map.min() < 0 or token_map.max() >= tc.vocab_size:
+            raise ModelLoadError(f"{path}: d2t maps draft ids outside the target's vocabulary [0, {tc.vocab_size})")
+    elif head.shape[0] != tc.vocab_size:
+        raise ModelLoadError(f"{path}: lm_head has {head.shape[0]} rows (draft_vocab_size) but no d2t maps them "
+                             f"to the target's {tc.vocab_size} ids")
+    model = LlamaModel(config, target.embed.to(dtype), [layer], tensors["norm.weight"].to(dtype), head, dtype)
+    return EagleHead(model, fc_weight, fc_bias, token_map, aux_layers=aux)
 
 
 @dataclasses.dataclass
@@ -143,6 +239,11 @@ class EagleProposer(DraftModelProposer):
         if self.model.packed and not head.fc_weight.is_mkldnn:
             head = dataclasses.replace(head, fc_weight=pack_weight(head.fc_weight))
         self.head = head
+        #: The target states the verifier must send (`Info.hidden_state_layers`): None for
+        #: its final ones (EAGLE-1), the layers' input states for an EAGLE-3 head.
+        self.hidden_state_layers = head.aux_layers
+        # An EAGLE-3 head feeds back its layer's output before the final norm.
+        self._feedback_layers = (len(self.model.layers),) if head.eagle3 else None
 
     _state = _EagleSeq
     _min_context = 2  # drafting reads at least one feature
@@ -172,9 +273,9 @@ class EagleProposer(DraftModelProposer):
         new_len = r.base_len + append.size
         hidden = r.hidden_states
         n = 0 if hidden is None else int(hidden.shape[0])
-        if hidden is not None and (hidden.ndim != 2 or hidden.shape[1] != self.model.config.hidden_size):
-            raise ValueError(f"{r.seq_id}: hidden_states of shape {list(hidden.shape)}, "
-                             f"want [n, {self.model.config.hidden_size}]")
+        width = self.model.config.hidden_size * len(self.hidden_state_layers or (None,))
+        if hidden is not None and (hidden.ndim != 2 or hidden.shape[1] != width):
+            raise ValueError(f"{r.seq_id}: hidden_states of shape {list(hidden.shape)}, want [n, {width}]")
         first = new_len - 1 - n  # position of the first row
         if first < 0:
             raise ValueError(f"{r.seq_id}: {n} hidden-state rows for a context of {new_len} tokens")
@@ -194,7 +295,7 @@ class EagleProposer(DraftModelProposer):
                 grown_f[:kept] = seq.features[:kept]
             seq.features = grown_f
         if n:
-            seq.features[first:new_len - 1] = hidden.to(self.model.dtype)
+            seq.features[first:new_len - 1] = self.head.combine(hidden)
         seq.num_features = new_len - 1
         # KV rows t < kv_keep were computed from real features and unchanged tokens.
         seq.kv_real = min(seq.kv_real, kept, self.cache.lens[seq.slot])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any, Callable
 
 from protos.proposal import ProposalSource
@@ -62,7 +63,7 @@ def _draft(options: dict[str, Any]) -> ProposalSource:
 
 def _eagle(options: dict[str, Any]) -> ProposalSource:
     """Options: `path` (an EAGLE head directory: config.json + *.safetensors, the published
-    EAGLE-1 layout or one written by `splitspec train eagle`; default the head trained for
+    EAGLE-1 or EAGLE-3 layout or one written by `splitspec train eagle`; default the head trained for
     the bundled model, committed under `proposers/assets/`), `base` (the target; default the
     bundled model), `tokenizer`, `dtype`, and the fields of `DraftModelConfig`."""
     import torch
@@ -92,6 +93,18 @@ def _eagle(options: dict[str, Any]) -> ProposalSource:
 PROPOSERS: dict[str, Callable[[dict[str, Any]], ProposalSource]] = {"ngram": _ngram, "draft": _draft, "eagle": _eagle}
 #: Methods whose proposers read the target's hidden states (sent in the proposer stream).
 NEEDS_HIDDEN_STATES = frozenset({"eagle"})
+
+
+def hidden_state_layers(method: str, options: dict[str, Any] | None, target_layers: int) -> tuple[int, ...] | None:
+    """Which target states a configured proposer reads (`Info.hidden_state_layers`): None
+    for the final ones or for a method that reads none; an EAGLE-3 head's layers."""
+    from proposers.eagle import head_hidden_state_layers
+    from proposers.train import BUNDLED_EAGLE_DIR
+
+    if method != "eagle":
+        return None
+    path = (options or {}).get("path") or BUNDLED_EAGLE_DIR
+    return head_hidden_state_layers(pathlib.Path(path).expanduser(), target_layers)
 #: Methods whose proposers draft token trees (option `tree`, `DraftModelConfig.tree`).
 DRAFTS_TREES = frozenset({"draft", "eagle"})
 

@@ -49,6 +49,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             method=source.method, max_k=max_k,
             needs_hidden_states=needs_hidden_states or bool(getattr(source, "needs_hidden_states", False)),
             tokenizer=tokenizer, server_version=_version(),
+            hidden_state_layers=getattr(source, "hidden_state_layers", None) or (),
         )
 
     async def Info(self, request: proposer_pb2.InfoRequest, context) -> proposer_pb2.InfoResponse:

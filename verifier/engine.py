@@ -54,6 +54,19 @@ logger = logging.getLogger(__name__)
 SPECULATION_MODES = ("auto", "off", "on")
 
 
+def hidden_state_layers(source: ProposalSource, num_layers: int) -> tuple[int, ...] | None:
+    """The target states `source` reads (its `hidden_state_layers`): None for the final ones;
+    raises ValueError for a layer the target does not have."""
+    layers = getattr(source, "hidden_state_layers", None)
+    if not layers:
+        return None
+    layers = tuple(int(i) for i in layers)
+    if any(not 0 <= i <= num_layers for i in layers):
+        raise ValueError(f"proposer {getattr(source, 'method', '?')!r} reads hidden states of layers {list(layers)}, "
+                         f"the target has layers 0..{num_layers - 1} (index {num_layers}: the last one's output)")
+    return layers
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Limits of one engine (one verifier replica)."""
@@ -222,6 +235,13 @@ class Engine:
         #: Methods whose proposers read the target's hidden states (EAGLE): the engine keeps
         #: each sequence's final hidden states (bfloat16) and sends the new ones each round.
         self._hidden_methods = {m for m, src in self.proposers.items() if getattr(src, "needs_hidden_states", False)}
+        #: Which states those are (`LlamaModel.forward`'s `hidden_layers`): None, the final
+        #: ones (EAGLE-1), or the input states of some target layers (EAGLE-3). One kind per engine.
+        kinds = {m: hidden_state_layers(self.proposers[m], model.config.num_layers) for m in self._hidden_methods}
+        if len(set(kinds.values())) > 1:
+            raise ValueError("proposers that read the target's hidden states must read the same ones, got "
+                             + ", ".join(f"{m}: {'final' if v is None else list(v)}" for m, v in sorted(kinds.items())))
+        self._hidden_layers = next(iter(kinds.values()), None)
         self._shadow_calls: list[asyncio.Future] = []
         self.controller = controller or Controller.off()
         if not self.controller.methods:
@@ -740,7 +760,8 @@ class Engine:
             trees = [None if w.draft_parents is None else
                      (self.cache.lens[w.seq.slot], [-1] + (w.draft_parents + 1).tolist()) for w in works]
         out = self.model.forward(token_ids, [w.seq.slot for w in works], num_tokens, self.cache,
-                                 torch.tensor(index, dtype=torch.int64), hidden_index=hidden_index, trees=trees)
+                                 torch.tensor(index, dtype=torch.int64), hidden_index=hidden_index, trees=trees,
+                                 hidden_layers=self._hidden_layers)
         logits, hidden = out if hidden_index is not None else (out, None)  # logits: [R, V] float32
         argmax = logits.argmax(dim=-1).tolist()
         row = first = 0

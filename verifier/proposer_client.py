@@ -30,13 +30,15 @@ class ProposerUnavailableError(SplitspecError):
 
 class GrpcProposalSource:
     def __init__(self, address: str, method: str = "remote", deadline_s: float = 0.1,
-                 needs_hidden_states: bool = False) -> None:
+                 needs_hidden_states: bool = False, hidden_state_layers: Sequence[int] | None = None) -> None:
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
         self.address = address
         self.method = method
         #: Whether the engine should attach hidden states to this source's requests (EAGLE).
         self.needs_hidden_states = needs_hidden_states
+        #: Which (`Info.hidden_state_layers`): None for the final states, else target layers.
+        self.hidden_state_layers = tuple(hidden_state_layers) if hidden_state_layers else None
         self.deadline_s = deadline_s
         self._channel: grpc.aio.Channel | None = None
         self._call = None

@@ -76,10 +76,12 @@ class RoutedProposalSource:
 
     def __init__(self, method: str, deadline_s: float = 0.1, cooldown_s: float = 2.0,
                  info_timeout_s: float = 2.0, target_vocab: VocabFingerprint | None = None,
-                 needs_hidden_states: bool = False) -> None:
+                 needs_hidden_states: bool = False, hidden_state_layers: Sequence[int] | None = None) -> None:
         self.method = method
         #: Whether the engine sends this method the target's hidden states (EAGLE).
         self.needs_hidden_states = needs_hidden_states
+        #: Which: None for the final states, else the target layers an EAGLE-3 head reads.
+        self.hidden_state_layers = tuple(hidden_state_layers) if hidden_state_layers else None
         #: The target's vocabulary: a replica whose `Info` names an incompatible one is refused.
         #: (Not `vocab`: a proposer's `vocab` is its own, which `cluster.local` checks.)
         self.target_vocab = target_vocab
@@ -147,6 +149,11 @@ class RoutedProposalSource:
             return f"it serves method {info.method!r}, this deployment expects {self.method!r}"
         if info.needs_hidden_states and not self.needs_hidden_states:
             return "it needs the target's hidden states, which this deployment does not send for its method"
+        theirs = tuple(info.hidden_state_layers) or None
+        if info.needs_hidden_states and theirs != self.hidden_state_layers:
+            def kind(layers):
+                return "the final hidden states" if layers is None else f"the states entering layers {list(layers)}"
+            return f"it reads {kind(theirs)}, this verifier sends {kind(self.hidden_state_layers)}"
         if self.target_vocab is not None and info.HasField("tokenizer") and info.tokenizer.vocab_size:
             return vocab_incompatibility(self.target_vocab, info.tokenizer)
         return None

@@ -319,6 +319,37 @@ def test_a_replica_serving_another_method_is_refused():
     asyncio.run(run())
 
 
+def test_a_replica_reading_other_hidden_states_is_refused():
+    """A verifier set up to send the states entering layers 2, 15 and 27 (an EAGLE-3 head)
+    refuses a replica whose `Info` asks for the final states or for other layers, and takes
+    one that asks for exactly those."""
+    async def run():
+        servers, addresses = [], {}
+        for name, layers in (("same", (2, 15, 27)), ("final", None), ("other", (2, 15, 28))):
+            source = CountingSource()
+            source.method, source.needs_hidden_states, source.hidden_state_layers = "eagle", True, layers
+            server, port = await start_server(ProposerServicer(source, max_k=4), "127.0.0.1", 0)
+            servers.append(server)
+            addresses[name] = f"127.0.0.1:{port}"
+        router = RoutedProposalSource("eagle", deadline_s=1.0, needs_hidden_states=True,
+                                      hidden_state_layers=(2, 15, 27))
+        try:
+            await router.set_replicas(sorted(addresses.values()))
+            assert router.addresses == [addresses["same"]]
+            assert router.refused == {
+                addresses["final"]: "it reads the final hidden states, this verifier sends the states entering "
+                                    "layers [2, 15, 27]",
+                addresses["other"]: "it reads the states entering layers [2, 15, 28], this verifier sends the "
+                                    "states entering layers [2, 15, 27]",
+            }
+        finally:
+            await router.set_replicas([])
+            for server in servers:
+                await server.stop(0)
+
+    asyncio.run(run())
+
+
 def test_release_reaches_the_owner():
     async def run():
         replicas = await _start_replicas(2)

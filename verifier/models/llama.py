@@ -53,6 +53,9 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
     w_down: torch.Tensor  # [hidden, intermediate]
+    #: EAGLE-3's layer: [hidden]; the attention then reads [input_norm(token embeddings);
+    #: hidden_norm(residual stream)] (wqkv is [(H + 2 Hkv) * D, 2 hidden]). None: a plain layer.
+    hidden_norm: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -466,6 +469,7 @@ class LlamaModel:
         hidden_index: torch.Tensor | None = None,
         input_embeds: torch.Tensor | None = None,
         trees: Sequence[tuple[int, Sequence[int]] | None] | None = None,
+        hidden_layers: Sequence[int] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one pass and append the new tokens' K/V to each sequence's slot.
 
@@ -476,8 +480,13 @@ class LlamaModel:
         hidden_index: int64 [Q] flat indices whose final hidden states (after the final
         norm: the LM head's input, the feature EAGLE heads read) are wanted too; then the
         result is (logits, hidden [Q, hidden_size] in the model's dtype).
+        hidden_layers: instead of the final hidden states, the residual stream entering each
+        of these layers (index `num_layers`: the last layer's output, before the final norm),
+        concatenated in this order: [Q, len(hidden_layers) * hidden_size]. EAGLE-3 heads read
+        the target's at three depths, and feed back their own last layer's.
         input_embeds: [T, hidden] used instead of the token embeddings (an EAGLE head feeds
-        its fused token-and-feature rows; `token_ids` then only gives T).
+        its fused token-and-feature rows; `token_ids` then only gives T). An EAGLE-3 layer
+        (`hidden_norm` set) reads both: the token embeddings and this residual stream.
         A layer whose `input_norm` is None and a model whose `final_norm` is None skip that
         norm (EAGLE-1 heads have neither).
         trees: per sequence None (a chain: causal, positions in cache order) or
@@ -492,6 +501,9 @@ class LlamaModel:
         c = self.config
         T = token_ids.shape[0]
         assert T == sum(num_tokens), f"{T=} {num_tokens=}"
+        if hidden_layers is not None and any(not 0 <= i <= len(self.layers) for i in hidden_layers):
+            raise ValueError(f"hidden_layers {list(hidden_layers)}: this model has layers 0..{len(self.layers) - 1} "
+                             f"(index {len(self.layers)}: the last one's output)")
         spans: list[_SeqSpan] = []
         positions = torch.empty(T, dtype=torch.int64)  # RoPE positions
         store = torch.empty(T, dtype=torch.int64)  # cache indices
@@ -531,10 +543,19 @@ class LlamaModel:
         sin = self._sin[positions].unsqueeze(1)
         # [T_pad, hidden]; padding rows are dead
         rows = self.gemm_rows(T)
-        h = F.embedding(_pad_rows(token_ids.long(), rows), self.embed) if input_embeds is None else _pad_rows(
-            input_embeds, rows)
+        embeds = None
+        if input_embeds is None or any(layer.hidden_norm is not None for layer in self.layers):
+            embeds = F.embedding(_pad_rows(token_ids.long(), rows), self.embed)
+        h = embeds if input_embeds is None else _pad_rows(input_embeds, rows)
+        captured: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
-            x = h if layer.input_norm is None else rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            if hidden_layers is not None and li in hidden_layers and hidden_index is not None:
+                captured[li] = h.index_select(0, hidden_index)
+            if layer.hidden_norm is not None:
+                x = torch.cat([rms_norm(embeds, layer.input_norm, c.rms_norm_eps),
+                               rms_norm(h, layer.hidden_norm, c.rms_norm_eps)], dim=-1)
+            else:
+                x = h if layer.input_norm is None else rms_norm(h, layer.input_norm, c.rms_norm_eps)
             h = h + self._attention(li, layer, x, spans, groups, store, token_slots, cos, sin, cache)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)
@@ -551,7 +572,13 @@ class LlamaModel:
         R = logits_index.shape[0]
         head = self.lm_head if self.lm_head_packed is None else self.lm_head_packed
         logits = linear(_pad_rows(final(logits_index), self.lm_head_rows(R)), head)[:R].float()
-        return logits if hidden_index is None else (logits, final(hidden_index))
+        if hidden_index is None:
+            return logits
+        if hidden_layers is None:
+            return logits, final(hidden_index)
+        if len(self.layers) in hidden_layers:
+            captured[len(self.layers)] = h.index_select(0, hidden_index)
+        return logits, torch.cat([captured[i] for i in hidden_layers], dim=-1)
 
     def _attention(
         self,

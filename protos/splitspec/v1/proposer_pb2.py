@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitspec/v1/proposer.proto\x12\x0csplitspec.v1\"\r\n\x0bInfoRequest\"\xa1\x01\n\x14TokenizerFingerprint\x12\x12\n\nvocab_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62os_token_id\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1a\n\x12token_texts_sha256\x18\x05 \x01(\t\x12\x18\n\x10token_texts_zlib\x18\x06 \x01(\x0c\"\x99\x01\n\x0cInfoResponse\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\r\n\x05max_k\x18\x02 \x01(\r\x12\x1b\n\x13needs_hidden_states\x18\x03 \x01(\x08\x12\x35\n\ttokenizer\x18\x04 \x01(\x0b\x32\".splitspec.v1.TokenizerFingerprint\x12\x16\n\x0eserver_version\x18\x05 \x01(\t\"+\n\x0cHiddenStates\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\"\x99\x02\n\rSequenceDelta\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\x05\x12\t\n\x01k\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x31\n\rhidden_states\x18\x06 \x01(\x0b\x32\x1a.splitspec.v1.HiddenStates\x12\x44\n\rtrace_context\x18\x07 \x03(\x0b\x32-.splitspec.v1.SequenceDelta.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"l\n\x0eProposeRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.splitspec.v1.SequenceDelta\x12\x18\n\x10released_seq_ids\x18\x03 \x03(\t\"\xc3\x01\n\rSequenceDraft\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x01(\x0c\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0e\n\x06resync\x18\x05 \x01(\x08\x12\x1d\n\x15\x64raft_probs_token_ids\x18\x06 \x03(\x05\x12\x1a\n\x12\x64raft_probs_values\x18\x07 \x01(\x0c\x12\x15\n\rdraft_parents\x18\x08 \x03(\x05\"S\n\x0fProposeResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.splitspec.v1.SequenceDraft2\x95\x01\n\x08Proposer\x12=\n\x04Info\x12\x19.splitspec.v1.InfoRequest\x1a\x1a.splitspec.v1.InfoResponse\x12J\n\x07Propose\x12\x1c.splitspec.v1.ProposeRequest\x1a\x1d.splitspec.v1.ProposeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitspec/v1/proposer.proto\x12\x0csplitspec.v1\"\r\n\x0bInfoRequest\"\xa1\x01\n\x14TokenizerFingerprint\x12\x12\n\nvocab_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62os_token_id\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1a\n\x12token_texts_sha256\x18\x05 \x01(\t\x12\x18\n\x10token_texts_zlib\x18\x06 \x01(\x0c\"\xb6\x01\n\x0cInfoResponse\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\r\n\x05max_k\x18\x02 \x01(\r\x12\x1b\n\x13needs_hidden_states\x18\x03 \x01(\x08\x12\x35\n\ttokenizer\x18\x04 \x01(\x0b\x32\".splitspec.v1.TokenizerFingerprint\x12\x16\n\x0eserver_version\x18\x05 \x01(\t\x12\x1b\n\x13hidden_state_layers\x18\x06 \x03(\r\"+\n\x0cHiddenStates\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\"\x99\x02\n\rSequenceDelta\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\x05\x12\t\n\x01k\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x31\n\rhidden_states\x18\x06 \x01(\x0b\x32\x1a.splitspec.v1.HiddenStates\x12\x44\n\rtrace_context\x18\x07 \x03(\x0b\x32-.splitspec.v1.SequenceDelta.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"l\n\x0eProposeRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.splitspec.v1.SequenceDelta\x12\x18\n\x10released_seq_ids\x18\x03 \x03(\t\"\xc3\x01\n\rSequenceDraft\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x01(\x0c\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0e\n\x06resync\x18\x05 \x01(\x08\x12\x1d\n\x15\x64raft_probs_token_ids\x18\x06 \x03(\x05\x12\x1a\n\x12\x64raft_probs_values\x18\x07 \x01(\x0c\x12\x15\n\rdraft_parents\x18\x08 \x03(\x05\"S\n\x0fProposeResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.splitspec.v1.SequenceDraft2\x95\x01\n\x08Proposer\x12=\n\x04Info\x12\x19.splitspec.v1.InfoRequest\x1a\x1a.splitspec.v1.InfoResponse\x12J\n\x07Propose\x12\x1c.splitspec.v1.ProposeRequest\x1a\x1d.splitspec.v1.ProposeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,19 +38,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERFINGERPRINT']._serialized_start=68
   _globals['_TOKENIZERFINGERPRINT']._serialized_end=229
   _globals['_INFORESPONSE']._serialized_start=232
-  _globals['_INFORESPONSE']._serialized_end=385
-  _globals['_HIDDENSTATES']._serialized_start=387
-  _globals['_HIDDENSTATES']._serialized_end=430
-  _globals['_SEQUENCEDELTA']._serialized_start=433
-  _globals['_SEQUENCEDELTA']._serialized_end=714
-  _globals['_SEQUENCEDELTA_TRACECONTEXTENTRY']._serialized_start=663
-  _globals['_SEQUENCEDELTA_TRACECONTEXTENTRY']._serialized_end=714
-  _globals['_PROPOSEREQUEST']._serialized_start=716
-  _globals['_PROPOSEREQUEST']._serialized_end=824
-  _globals['_SEQUENCEDRAFT']._serialized_start=827
-  _globals['_SEQUENCEDRAFT']._serialized_end=1022
-  _globals['_PROPOSERESPONSE']._serialized_start=1024
-  _globals['_PROPOSERESPONSE']._serialized_end=1107
-  _globals['_PROPOSER']._serialized_start=1110
-  _globals['_PROPOSER']._serialized_end=1259
+  _globals['_INFORESPONSE']._serialized_end=414
+  _globals['_HIDDENSTATES']._serialized_start=416
+  _globals['_HIDDENSTATES']._serialized_end=459
+  _globals['_SEQUENCEDELTA']._serialized_start=462
+  _globals['_SEQUENCEDELTA']._serialized_end=743
+  _globals['_SEQUENCEDELTA_TRACECONTEXTENTRY']._serialized_start=692
+  _globals['_SEQUENCEDELTA_TRACECONTEXTENTRY']._serialized_end=743
+  _globals['_PROPOSEREQUEST']._serialized_start=745
+  _globals['_PROPOSEREQUEST']._serialized_end=853
+  _globals['_SEQUENCEDRAFT']._serialized_start=856
+  _globals['_SEQUENCEDRAFT']._serialized_end=1051
+  _globals['_PROPOSERESPONSE']._serialized_start=1053
+  _globals['_PROPOSERESPONSE']._serialized_end=1136
+  _globals['_PROPOSER']._serialized_start=1139
+  _globals['_PROPOSER']._serialized_end=1288
 # @@protoc_insertion_point(module_scope)

@@ -27,18 +27,20 @@ class TokenizerFingerprint(_message.Message):
     def __init__(self, vocab_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., token_texts_sha256: _Optional[str] = ..., token_texts_zlib: _Optional[bytes] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("method", "max_k", "needs_hidden_states", "tokenizer", "server_version")
+    __slots__ = ("method", "max_k", "needs_hidden_states", "tokenizer", "server_version", "hidden_state_layers")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     NEEDS_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     method: str
     max_k: int
     needs_hidden_states: bool
     tokenizer: TokenizerFingerprint
     server_version: str
-    def __init__(self, method: _Optional[str] = ..., max_k: _Optional[int] = ..., needs_hidden_states: _Optional[bool] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., server_version: _Optional[str] = ...) -> None: ...
+    hidden_state_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, method: _Optional[str] = ..., max_k: _Optional[int] = ..., needs_hidden_states: _Optional[bool] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., server_version: _Optional[str] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
     __slots__ = ("data", "shape")

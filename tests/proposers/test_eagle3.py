@@ -1,0 +1,281 @@
+"""EAGLE-3 heads (proposers/eagle.py) on the real bundled target.
+
+No EAGLE-3 head exists for SmolLM2-135M, so the tests write one with seeded random weights
+in the published layout (`fc` [H, 3H], `midlayer.*` with q/k/v over 2H inputs and a
+`hidden_norm`, `norm`, a `lm_head` over a draft vocabulary, `d2t`, `t2d`). References:
+HF transformers for the target's states entering layers 2, 15 and 27 (its
+`output_hidden_states`), and for the head an implementation built from HF's own
+`LlamaAttention`, `LlamaMLP`, `LlamaRMSNorm` and rotary embedding, wired as the EAGLE-3
+paper's layer is, recomputed over the whole sequence for every draft (no cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.workloads import load_prompts
+from protos.proposal import ProposalRequest
+from proposers.draft_model import DraftModelConfig
+from proposers.eagle import EagleProposer, head_hidden_state_layers, load_eagle
+from proposers.registry import hidden_state_layers as registry_layers
+from verifier.controller import Controller
+from verifier.engine import Engine, EngineConfig
+from verifier.errors import ModelLoadError
+from verifier.models.vocab import VocabFingerprint
+from verifier.sampling_params import SamplingParams
+
+AUX = (2, 15, 27)  # EAGLE-3's (2, L // 2, L - 3) for the target's 30 layers
+DRAFT_VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return VocabFingerprint.of(tokenizer)
+
+
+def _write_head(out, hf_model, seed: int = 0, **config_extra) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file
+
+    hc = hf_model.config
+    H, I = hc.hidden_size, hc.intermediate_size
+    D = H // hc.num_attention_heads
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    # Draft ids over a spread of target ids: draft id d is target id d + d2t[d].
+    targets = torch.arange(DRAFT_VOCAB) * 7 % hc.vocab_size
+    targets[:2] = torch.tensor([2, 0])  # keep EOS (id 2) and id 0 drawable
+    targets = targets.unique()  # sorted, as EAGLE-3's d2t assumes
+    t2d = torch.zeros(hc.vocab_size, dtype=torch.bool)
+    t2d[targets] = True
+    w = {
+        "fc.weight": rand(H, 3 * H, scale=0.03),
+        "midlayer.input_layernorm.weight": (1 + rand(H, scale=0.5).float()).to(torch.bfloat16),
+        "midlayer.hidden_norm.weight": (1 + rand(H, scale=0.5).float()).to(torch.bfloat16),
+        "midlayer.self_attn.q_proj.weight": rand(hc.num_attention_heads * D, 2 * H),
+        "midlayer.self_attn.k_proj.weight": rand(hc.num_key_value_heads * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": rand(hc.num_key_value_heads * D, 2 * H),
+        "midlayer.self_attn.o_proj.weight": rand(H, hc.num_attention_heads * D),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+        "midlayer.mlp.gate_proj.weight": rand(I, H),
+        "midlayer.mlp.up_proj.weight": rand(I, H),
+        "midlayer.mlp.down_proj.weight": rand(H, I),
+        "norm.weight": torch.ones(H, dtype=torch.bfloat16),
+        # the target's own LM-head rows, so drafts look like text
+        "lm_head.weight": hf_model.lm_head.weight.detach()[targets].to(torch.bfloat16).contiguous(),
+        "d2t": targets - torch.arange(targets.numel()),
+        "t2d": t2d,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(w, str(out / "model.safetensors"))
+    config = {**hc.to_dict(), "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+              "draft_vocab_size": int(targets.numel()), **config_extra}
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config))
+    return w
+
+
+@pytest.fixture(scope="module")
+def eagle3(hf_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle3")
+    return out, _write_head(out, hf_model)
+
+
+class _Reference:
+    """An EAGLE-3 head from HF's Llama modules (eager attention, explicit causal mask)."""
+
+    def __init__(self, hf_model, w: dict[str, torch.Tensor]) -> None:
+        from transformers.models.llama import modeling_llama as m
+
+        hc = type(hf_model.config)(**{**hf_model.config.to_dict(), "num_hidden_layers": 1})
+        hc._attn_implementation = "eager"
+        H = hc.hidden_size
+        self.attn = m.LlamaAttention(hc, 0)
+        for x in "qkv":  # the fused input [embeds; hidden] is 2H wide
+            out_features = getattr(self.attn, f"{x}_proj").out_features
+            setattr(self.attn, f"{x}_proj", torch.nn.Linear(2 * H, out_features, bias=False))
+        self.mlp = m.LlamaMLP(hc)
+        self.input_norm, self.hidden_norm, self.post_norm, self.norm = (
+            m.LlamaRMSNorm(H, eps=hc.rms_norm_eps) for _ in range(4))
+        self.rope = m.LlamaRotaryEmbedding(hc)
+        f = {k: v.float() for k, v in w.items() if v.is_floating_point()}
+        with torch.no_grad():
+            for x in "qkvo":
+                getattr(self.attn, f"{x}_proj").weight.copy_(f[f"midlayer.self_attn.{x}_proj.weight"])
+            for x in ("gate", "up", "down"):
+                getattr(self.mlp, f"{x}_proj").weight.copy_(f[f"midlayer.mlp.{x}_proj.weight"])
+            self.input_norm.weight.copy_(f["midlayer.input_layernorm.weight"])
+            self.hidden_norm.weight.copy_(f["midlayer.hidden_norm.weight"])
+            self.post_norm.weight.copy_(f["midlayer.post_attention_layernorm.weight"])
+            self.norm.weight.copy_(f["norm.weight"])
+        self.fc = f["fc.weight"]
+        self.lm_head = f["lm_head.weight"]
+        self.d2t = w["d2t"]
+        self.embed = hf_model.model.embed_tokens.weight.detach().float()
+
+    @torch.no_grad()
+    def layer(self, token_ids: list[int], g: torch.Tensor) -> torch.Tensor:
+        """The layer's output (before `norm`) at every row, row t reading (x_{t+1}, g_t)."""
+        T = len(token_ids)
+        x = torch.cat([self.input_norm(self.embed[token_ids]), self.hidden_norm(g)], dim=-1).unsqueeze(0)
+        positions = torch.arange(T).unsqueeze(0)
+        cos_sin = self.rope(x, positions)
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        h = g.unsqueeze(0) + self.attn(x, position_embeddings=cos_sin, attention_mask=mask)[0]
+        h = h + self.mlp(self.post_norm(h))
+        return h[0]
+
+    def drafts(self, context: list[int], aux: torch.Tensor, k: int) -> list[int]:
+        """k greedy drafts after `context`, given the target's aux states of its positions
+        0 .. len - 2 ([len - 1, 3H])."""
+        g = aux.float() @ self.fc.T
+        tokens = list(context[1:])
+        out = []
+        for _ in range(k):
+            last = self.layer(tokens, g)[-1]
+            d = int(torch.argmax(self.norm(last) @ self.lm_head.T))
+            t = d + int(self.d2t[d])
+            out.append(t)
+            tokens.append(t)
+            g = torch.cat([g, last.unsqueeze(0)])
+        return out
+
+
+def _aux(model, ids: list[int]) -> torch.Tensor:
+    """The target's states entering layers 2, 15 and 27 at every position, as the verifier sends them."""
+    cache = model.new_cache(1, len(ids))
+    _, hidden = model.forward(torch.tensor(ids), [cache.allocate()], [len(ids)], cache,
+                              torch.tensor([len(ids) - 1]), hidden_index=torch.arange(len(ids)), hidden_layers=AUX)
+    return hidden.to(torch.bfloat16)
+
+
+def test_forward_returns_the_layer_inputs_hf_computes(model, hf_model, tokenizer):
+    """`hidden_layers` gives the residual stream entering each layer, HF's
+    `hidden_states[i]`; index 30 is the last layer's output, which the final norm turns
+    into HF's last entry."""
+    from verifier.models.llama import rms_norm
+
+    ids = load_prompts("chat", tokenizer)[1]
+    cache = model.new_cache(1, len(ids))
+    logits, hidden = model.forward(torch.tensor(ids), [cache.allocate()], [len(ids)], cache,
+                                   hidden_index=torch.arange(len(ids)), hidden_layers=(*AUX, 30))
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), output_hidden_states=True)
+    H = model.config.hidden_size
+    assert hidden.shape == (len(ids), 4 * H)
+    for j, layer in enumerate(AUX):
+        torch.testing.assert_close(hidden[:, j * H : (j + 1) * H], out.hidden_states[layer][0], atol=2e-3, rtol=1e-3)
+    last = rms_norm(hidden[:, 3 * H :], model.final_norm, model.config.rms_norm_eps)
+    torch.testing.assert_close(last, out.hidden_states[-1][0], atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(logits, out.logits[0], atol=2e-3, rtol=1e-3)
+
+
+def test_published_eagle3_layout_loads_and_says_which_states_it_reads(eagle3, model, hf_model, vocab, tmp_path):
+    out, w = eagle3
+    head = load_eagle(out, model, vocab)
+    assert head.eagle3 and head.aux_layers == AUX
+    assert head_hidden_state_layers(out, 30) == AUX
+    # what a verifier reads from its YAML before the proposer's replicas answer
+    assert registry_layers("eagle", {"path": str(out)}, 30) == AUX
+    assert registry_layers("eagle", {}, 30) is None  # the committed EAGLE-1 head: final states
+    assert registry_layers("ngram", {"path": str(out)}, 30) is None
+    assert head.model.lm_head.shape[0] == w["lm_head.weight"].shape[0]
+    np.testing.assert_array_equal(head.token_map, np.flatnonzero(w["t2d"].numpy()))
+    proposer = EagleProposer(head, vocab, DraftModelConfig(max_num_seqs=1))
+    assert proposer.needs_hidden_states and proposer.hidden_state_layers == AUX
+    # eagle_config names other layers; fc must then read as many
+    other = tmp_path / "other"
+    _write_head(other, hf_model, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 29]})
+    assert head_hidden_state_layers(other, 30) == (1, 29)
+    with pytest.raises(ModelLoadError, match=r"fc.weight has shape \[576, 1728\], want \[576, 1152\]"):
+        load_eagle(other, model, vocab)
+
+
+def test_eagle3_rounds_draft_what_the_reference_drafts(eagle3, model, hf_model, tokenizer, vocab):
+    """Round 1 sends a whole context with its aux states; round 2 two of the drafts (as if
+    accepted) plus another token with only the new positions' states. Each round's greedy
+    chain equals the from-scratch reference's, and a delta with a gap in the states resyncs."""
+    out, w = eagle3
+    ref = _Reference(hf_model, w)
+    proposer = EagleProposer(load_eagle(out, model, vocab), vocab, DraftModelConfig(max_num_seqs=2, max_k=4))
+    for i, context in enumerate(load_prompts("chat", tokenizer)[2:4]):
+        seq = f"s{i}"
+        a1 = _aux(model, context)
+        (p1,) = proposer.propose_sync([ProposalRequest(seq, 0, np.asarray(context, np.int32), 4, 0.0, a1[:-1])])
+        want = ref.drafts(context, a1[:-1], 4)
+        assert p1.draft_token_ids.tolist() == want
+        assert len(set(want)) > 1 or i  # a head that drafts one id over and over would prove little
+        append = p1.draft_token_ids[:2].tolist() + [int(tokenizer.encode(" yes")[0])]
+        longer = context + append
+        a2 = _aux(model, longer)
+        (p2,) = proposer.propose_sync([ProposalRequest(seq, len(context), np.asarray(append, np.int32), 4, 0.0,
+                                                       a2[len(context) - 1 : len(longer) - 1])])
+        assert p2.draft_token_ids.tolist() == ref.drafts(longer, a2[:-1], 4)
+        (p3,) = proposer.propose_sync([ProposalRequest(seq, len(longer), np.asarray([5, 6], np.int32), 2, 0.0,
+                                                       a2[-1:])])
+        assert p3.resync
+    # states of the wrong width are refused, naming the shape wanted
+    with pytest.raises(ValueError, match=r"want \[n, 1728\]"):
+        proposer.propose_sync([ProposalRequest("x", 0, np.asarray([1, 2, 3], np.int32), 2, 0.0,
+                                               torch.zeros(2, 576, dtype=torch.bfloat16))])
+
+
+def _engine(model, tokenizer, source):
+    return Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=1024), {"eagle": source},
+                  Controller.static(4, ("eagle",)))
+
+
+@pytest.mark.slow
+def test_engine_with_an_eagle3_head_is_exact_and_serves_the_same_drafts(eagle3, model, tokenizer, vocab):
+    """Greedy output equals plain decoding; behind a real gRPC server the proposer's `Info`
+    names the layers, the verifier sends them, and drafts and acceptance equal in-process."""
+    from proposers.server import ProposerServicer, start_server
+    from verifier.proposer_client import GrpcProposalSource
+
+    out, _ = eagle3
+    prompts = load_prompts("chat", tokenizer)[:3]
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    off = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=1024), None, Controller.off())
+    want = [r.token_ids for r in off.generate_sync(prompts, params)]
+    config = DraftModelConfig(max_num_seqs=4)
+    local = _engine(model, tokenizer, EagleProposer(load_eagle(out, model, vocab), vocab, config))
+    in_process = local.generate_sync(prompts, params)
+    assert [r.token_ids for r in in_process] == want
+    assert sum(r.stats.drafted for r in in_process) > 0 and local.stats.num_resyncs == 0
+
+    async def served():
+        remote = EagleProposer(load_eagle(out, model, vocab), vocab, config)
+        server, port = await start_server(ProposerServicer(remote, max_k=config.max_k))
+        client = GrpcProposalSource(f"127.0.0.1:{port}", method="eagle", deadline_s=30.0, needs_hidden_states=True,
+                                    hidden_state_layers=AUX)
+        try:
+            info = await client.info()
+            return info, await _engine(model, tokenizer, client).generate_all(prompts, params)
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    info, results = asyncio.run(served())
+    assert info.needs_hidden_states and tuple(info.hidden_state_layers) == AUX
+    assert [r.token_ids for r in results] == want
+    assert ([(r.stats.drafted, r.stats.accepted) for r in results]
+            == [(r.stats.drafted, r.stats.accepted) for r in in_process])
+
+
+def test_one_engine_sends_one_kind_of_hidden_states(eagle3, model, tokenizer, vocab):
+    from proposers.train import BUNDLED_EAGLE_DIR
+
+    out, _ = eagle3
+    config = DraftModelConfig(max_num_seqs=1)
+    sources = {"eagle": EagleProposer(load_eagle(BUNDLED_EAGLE_DIR, model, vocab), vocab, config),
+               "eagle3": EagleProposer(load_eagle(out, model, vocab), vocab, config, method="eagle3")}
+    with pytest.raises(ValueError, match=r"eagle: final, eagle3: \[2, 15, 27\]"):
+        Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=256), sources,
+               Controller.static(2, tuple(sources)))
