@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import operator
+import pathlib
 import re
 import statistics
 import sys
@@ -143,6 +144,8 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
     methods = sorted({m.split(":")[0] for m in args.modes if ":" in m}) or ["ngram"]
 
     def options(method: str) -> dict:
+        if method == "eagle" and args.eagle_head:
+            return {"path": args.eagle_head}
         if method != "draft" or not args.draft_model:
             return {}
         return {"path": args.draft_model, **({"vocab_subset": args.draft_vocab_subset} if args.draft_vocab_subset else {})}
@@ -288,6 +291,9 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-vocab-subset", type=int, default=None, metavar="N",
                    help="cut --draft-model's LM head to its N most frequent tokens (the draft option "
                         "`vocab_subset`), e.g. 65536 for the Qwen2.5-Coder-0.5B")
+    p.add_argument("--eagle-head", default=None, metavar="DIR",
+                   help="the EAGLE head of `eagle:K` modes: a `splitspec train eagle` output or a published "
+                        "EAGLE-1 or EAGLE-3 head for --model (default: the head trained for the bundled model)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--workload", action="append", choices=WORKLOADS,
                    help="repeatable (default: code_edit and chat)")
@@ -332,6 +338,9 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
         if args.draft_model is None or is_trained_draft(args.draft_model):
             raise InvalidRequestError("draft_vocab_subset", "cuts a plain --draft-model's LM head (a GGUF file or "
                                                             "an HF directory); a trained draft's covers a subset already")
+    if args.eagle_head is not None and not (pathlib.Path(args.eagle_head) / "config.json").is_file():
+        raise InvalidRequestError("eagle_head", f"{args.eagle_head} holds no config.json (an EAGLE head directory "
+                                                f"holds config.json and *.safetensors)")
     if args.interleave and args.continuous:
         raise InvalidRequestError("interleave", "runs fixed groups of BATCH requests; --continuous has none")
     return args

@@ -176,6 +176,26 @@ def test_engine_bench_refuses_a_vocab_subset_it_cannot_cut(args):
     assert proc.returncode == 2 and proc.stderr.startswith("error: draft_vocab_subset: "), proc.stderr
 
 
+def test_engine_bench_drafts_with_the_eagle_head_it_is_given(tmp_path):
+    # A copy of the committed head with one byte of its weights changed: the run must load
+    # that copy (and refuse it, as the proposer refuses a changed head), not the default.
+    import shutil
+
+    from proposers.train import BUNDLED_EAGLE_DIR, WEIGHTS_FILE
+
+    head = tmp_path / "head"
+    shutil.copytree(BUNDLED_EAGLE_DIR, head)
+    data = bytearray((head / WEIGHTS_FILE).read_bytes())
+    data[-1] ^= 1
+    (head / WEIGHTS_FILE).write_bytes(bytes(data))
+    proc = splitspec("engine-bench", "--workload", "chat", "--batch", "1", "--requests", "1", "--repeats", "1",
+                     "--max-tokens", "4", "--no-hf", "--modes", "off,eagle:3", "--eagle-head", str(head), timeout=120)
+    assert proc.returncode != 0 and f"{head / WEIGHTS_FILE}: sha256" in proc.stderr, proc.stderr
+    proc = splitspec("engine-bench", "--modes", "off,eagle:3", "--no-hf", "--eagle-head", str(tmp_path / "none"),
+                     timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: eagle_head: "), proc.stderr
+
+
 def _bench_3_requests_at_batch_2(tmp_path, flag: str, max_tokens: int) -> dict[str, dict]:
     """engine-bench's rows by mode for 3 code_edit requests at batch 2 with `flag`
     (`--interleave` or `--continuous`), after checking that both modes served all 3 and
