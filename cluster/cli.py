@@ -219,6 +219,10 @@ def _train(args: argparse.Namespace) -> int:
         print(json.dumps(fill_answer_cache(target, tokenizer, cfg, "bundled")))
         return 0
     target, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, "float32")
+    if args.what == "eagle" and cfg.arch == "eagle3":
+        from proposers.train import BUNDLED_EAGLE3_DIR
+
+        default_out = BUNDLED_EAGLE3_DIR
     out = pathlib.Path(args.out) if args.out else default_out
     bad = [i for i in cfg.init_layers if not 0 <= i < target.config.num_layers]
     if bad:

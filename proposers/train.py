@@ -66,6 +66,8 @@ PROMPTS_PATH = pathlib.Path(__file__).parent / "data" / "train_prompts.jsonl"
 #: the draft trained for the bundled model.
 BUNDLED_DRAFT_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-draft"
 BUNDLED_EAGLE_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-eagle"
+#: Where `splitspec train eagle --arch eagle3` writes by default (not the committed EAGLE-1 head's).
+BUNDLED_EAGLE3_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-eagle3"
 CONFIG_FILE, WEIGHTS_FILE, INFO_FILE = "config.json", "model.safetensors", "train_info.json"
 #: The bundled target's greedy answers to the training prompts (`AnswerCache`), kept in the repo.
 ANSWERS_PATH = pathlib.Path(__file__).parent / "data" / "target_answers.jsonl.gz"
@@ -430,6 +432,16 @@ class _Layer(nn.Module):
         self.w_down = nn.Parameter(dense(w.w_down).float().clone())
 
 
+def register_target_buffers(net: nn.Module, target: LlamaModel, vocab_ids: np.ndarray) -> None:
+    """The frozen tensors a head or draft under training reads from the target (float32, not
+    saved with it): `embed`, `head` (the LM-head rows of the vocabulary subset), `cos`, `sin`."""
+    net.register_buffer("embed", target.embed.float(), persistent=False)
+    net.register_buffer("head", target.lm_head.float()[torch.from_numpy(vocab_ids).long()].contiguous(),
+                        persistent=False)
+    net.register_buffer("cos", target._cos.float(), persistent=False)
+    net.register_buffer("sin", target._sin.float(), persistent=False)
+
+
 class DraftNet(nn.Module):
     """The draft for training: a plain causal decoder over padded [B, L] batches, with the
     same weight layout as `verifier.models.llama.LayerWeights`."""
@@ -440,11 +452,7 @@ class DraftNet(nn.Module):
         self.config = c
         self.layers = nn.ModuleList(_Layer(target.layers[i]) for i in init_layers)
         self.norm = nn.Parameter(target.final_norm.float().clone())
-        self.register_buffer("embed", target.embed.float(), persistent=False)
-        self.register_buffer("head", target.lm_head.float()[torch.from_numpy(vocab_ids).long()].contiguous(),
-                             persistent=False)
-        self.register_buffer("cos", target._cos.float(), persistent=False)
-        self.register_buffer("sin", target._sin.float(), persistent=False)
+        register_target_buffers(self, target, vocab_ids)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids int64 [B, L] -> hidden states after the final norm [B, L, hidden]."""
@@ -653,9 +661,10 @@ def round_to_bfloat16(net: nn.Module) -> None:
 
 
 def write_outputs(out: pathlib.Path, target: LlamaModel, tokenizer: Tokenizer, num_layers: int, splitspec: dict,
-                  info: dict, log=print) -> None:
+                  info: dict, log=print, extra_config: dict | None = None) -> None:
     """config.json (an HF Llama config of the trained layers plus the `splitspec` block, to
-    which the vocabulary fingerprint and the weights' sha256 are added) and train_info.json."""
+    which the vocabulary fingerprint and the weights' sha256 are added; `extra_config` adds
+    or replaces fields) and train_info.json."""
     from verifier.models.vocab import VocabFingerprint
 
     fp = VocabFingerprint.of(tokenizer)
@@ -675,6 +684,7 @@ def write_outputs(out: pathlib.Path, target: LlamaModel, tokenizer: Tokenizer, n
             "weights_sha256": hashlib.sha256((out / WEIGHTS_FILE).read_bytes()).hexdigest(),
         },
     }
+    config.update(extra_config or {})
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     info = {**info, "torch": torch.__version__, "threads": torch.get_num_threads()}
     (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")

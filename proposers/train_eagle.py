@@ -30,6 +30,11 @@ by the target), read from a `corpus.pt` it wrote (`--corpus`) or built afresh. T
    config, one layer, with a `splitspec` block: kind eagle, vocabulary fingerprint, weights
    sha256); `train_info.json` (command, recipe, figures: held-out agreement of the first
    draft, and held-out mean acceptance length of greedy 4-token chains, `held_out_figures`).
+
+`arch="eagle3"` (`--arch eagle3`) trains an EAGLE-3 head instead (`Eagle3Net`): the features
+are the target's states entering layers 2, L // 2 and L - 3, the loss is the tokens'
+cross-entropy only, and the output is the published EAGLE-3 layout (`save_eagle3`), which
+`proposers/eagle.py` serves with those states sent by the verifier.
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from proposers.eagle import eagle3_aux_layers
 from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _figures, _Layer, _Progress, fit, length_groups,
-                             load_or_build_corpus, round_to_bfloat16, vocab_subset, write_outputs)
+                             load_or_build_corpus, register_target_buffers, round_to_bfloat16, vocab_subset,
+                             write_outputs)
 from verifier.models.llama import LlamaModel, dense, rotate_half
 from verifier.models.tokenizer import Tokenizer
 
@@ -66,9 +73,15 @@ class TrainEagleConfig(TrainDraftConfig):
     #: starts from, instead of the target's layer `init_layers[0]`: more training of a head
     #: whose checkpoint is gone, with a fresh optimiser and learning-rate schedule.
     init_from: str | None = None
+    #: "eagle1": the head reads the target's final states and regresses the next one (the
+    #: layout above); "eagle3": it reads the states entering layers 2, L // 2 and L - 3 and
+    #: trains on tokens only, written in the published EAGLE-3 layout.
+    arch: str = "eagle1"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.arch not in ("eagle1", "eagle3"):
+            raise ValueError(f"arch must be eagle1 or eagle3, got {self.arch!r}")
         if len(self.init_layers) != 1:
             raise ValueError(f"an EAGLE head has one decoder layer: init_layers must name one, got {self.init_layers}")
         if self.unroll < 1:
@@ -78,15 +91,17 @@ class TrainEagleConfig(TrainDraftConfig):
 
 
 @torch.inference_mode()
-def target_features(model: LlamaModel, seqs: list[tuple[list[int], list[int]]], progress=None) -> list[torch.Tensor]:
-    """The target's final hidden states (bfloat16 [len, hidden]) of every position of each sequence."""
+def target_features(model: LlamaModel, seqs: list[tuple[list[int], list[int]]], progress=None,
+                    hidden_layers: tuple[int, ...] | None = None) -> list[torch.Tensor]:
+    """The target's final hidden states (bfloat16 [len, hidden]) of every position of each
+    sequence; with `hidden_layers`, the states entering those layers ([len, n * hidden])."""
     cache = model.new_cache(1, max(len(x) for x, _ in seqs))
     out = []
     for ids, _ in seqs:
         slot = cache.allocate()
         last = torch.tensor([len(ids) - 1])
         _, hidden = model.forward(torch.tensor(ids, dtype=torch.int64), [slot], [len(ids)], cache, last,
-                                  hidden_index=torch.arange(len(ids)))
+                                  hidden_index=torch.arange(len(ids)), hidden_layers=hidden_layers)
         out.append(hidden.to(torch.bfloat16))
         cache.free(slot)
         if progress is not None:
@@ -109,11 +124,7 @@ class EagleNet(nn.Module):
         with torch.no_grad():  # the residual branches start at zero: the head starts as f^ = f
             self.layer.wo.zero_()
             self.layer.w_down.zero_()
-        self.register_buffer("embed", target.embed.float(), persistent=False)
-        self.register_buffer("head", target.lm_head.float()[torch.from_numpy(vocab_ids).long()].contiguous(),
-                             persistent=False)
-        self.register_buffer("cos", target._cos.float(), persistent=False)
-        self.register_buffer("sin", target._sin.float(), persistent=False)
+        register_target_buffers(self, target, vocab_ids)
 
     def unroll(self, chain: torch.Tensor, features: torch.Tensor) -> list[torch.Tensor]:
         """Draft steps 1 .. D from every row at once, as drafting runs them (training-time test).
@@ -135,15 +146,69 @@ class EagleNet(nn.Module):
             outs.append(f)
         return outs
 
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits over the subset's columns of a step's output."""
+        return out @ self.head.t()
+
+
+class Eagle3Net(nn.Module):
+    """An EAGLE-3 head for training (same math as proposers/eagle.py's EAGLE-3 path):
+    g_t = fc([the target's states entering `aux_layers` at t]); the layer's attention reads
+    [input_norm(embed(x_{t+1})); hidden_norm(g_t)] on the residual stream g_t; its output
+    (before `norm`) is fed back as the next step's g, and norm -> LM-head rows give the draft.
+
+    Starts from the target's layer `init_layer`: its q/k/v read the hidden half (the
+    embedding half starts at zero, `hidden_norm` is the layer's input norm), its output
+    projections are zeroed, and `fc` passes the deepest state read through, so the untrained
+    head reads the target's logits off that state."""
+
+    def __init__(self, target: LlamaModel, init_layer: int, vocab_ids: np.ndarray, aux_layers: tuple[int, ...]) -> None:
+        super().__init__()
+        c = target.config
+        self.config = c
+        self.aux_layers = tuple(aux_layers)
+        H, n = c.hidden_size, len(aux_layers)
+        self.fc_weight = nn.Parameter(torch.cat([torch.zeros(H, (n - 1) * H), torch.eye(H)], dim=1))
+        self.layer = _Layer(target.layers[init_layer])
+        with torch.no_grad():
+            self.layer.wqkv = nn.Parameter(torch.cat([torch.zeros_like(self.layer.wqkv), self.layer.wqkv], dim=1))
+            self.layer.wo.zero_()
+            self.layer.w_down.zero_()
+        self.hidden_norm = nn.Parameter(self.layer.input_norm.detach().clone())
+        self.norm = nn.Parameter(target.final_norm.float().clone())
+        register_target_buffers(self, target, vocab_ids)
+
+    def unroll(self, chain: torch.Tensor, features: torch.Tensor) -> list[torch.Tensor]:
+        """As `EagleNet.unroll`; features [B, L, n * H] are the target's aux states at t,
+        and each step's output is the layer's before `norm`."""
+        c = self.config
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs = []
+        g = F.linear(features, self.fc_weight)
+        for j in range(chain.shape[-1]):
+            e = F.rms_norm(F.embedding(chain[..., j], self.embed), (c.hidden_size,), self.layer.input_norm,
+                           c.rms_norm_eps)
+            x = torch.cat([e, F.rms_norm(g, (c.hidden_size,), self.hidden_norm, c.rms_norm_eps)], dim=-1)
+            g = _unrolled_layer(g, self.layer, c, self.cos, self.sin, keys, values, x=x)
+            outs.append(g)
+        return outs
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        return F.rms_norm(out, (c.hidden_size,), self.norm, c.rms_norm_eps) @ self.head.t()
+
 
 def _unrolled_layer(h: torch.Tensor, layer: _Layer, c, cos: torch.Tensor, sin: torch.Tensor,
-                    keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+                    keys: list[torch.Tensor], values: list[torch.Tensor], x: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """The head's decoder layer (no input norm) for step len(keys) + 1 of `EagleNet.unroll`;
-    appends this step's keys and values."""
+    appends this step's keys and values. `x`: what the attention reads instead of the
+    residual stream `h` (an EAGLE-3 layer's [embeddings; hidden])."""
     B, L, _ = h.shape
     H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
     j = len(keys)
-    qkv = F.linear(h, layer.wqkv, layer.bqkv)
+    qkv = F.linear(h if x is None else x, layer.wqkv, layer.bqkv)
     qk = qkv[..., : (H + Hkv) * D].view(B, L, H + Hkv, D)
     qk = qk * cos[j : j + L].view(1, L, 1, D) + rotate_half(qk) * sin[j : j + L].view(1, L, 1, D)
     q = qk[:, :, :H].transpose(1, 2)
@@ -217,7 +282,7 @@ EVAL_K = 4
 
 
 @torch.no_grad()
-def held_out_figures(net: EagleNet, seqs, feats, remap, k: int = EVAL_K) -> dict:
+def held_out_figures(net: EagleNet | Eagle3Net, seqs, feats, remap, k: int = EVAL_K) -> dict:
     """`held_out_agreement`: top-1 agreement of the head's first draft with the target
     (teacher-forced features; a target token outside the subset is a miss);
     `held_out_acceptance_length`: mean acceptance length of greedy k-token chains drafted
@@ -227,7 +292,7 @@ def held_out_figures(net: EagleNet, seqs, feats, remap, k: int = EVAL_K) -> dict
     for j in range(len(seqs)):
         chain, f_in, _, labels, valid = _batch(seqs, feats, [j], remap, k)
         outs = net.unroll(chain, f_in)
-        preds = torch.stack([(o @ net.head.t()).argmax(-1) for o in outs], dim=-1)[0]  # [L, k]
+        preds = torch.stack([net.logits(o).argmax(-1) for o in outs], dim=-1)[0]  # [L, k]
         match = (preds == labels[0]).numpy()
         has_label = np.asarray(seqs[j][1][1:]) >= 0
         hit += int((match[:, 0] & has_label).sum())
@@ -247,6 +312,8 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
     started = time.perf_counter()
     reuse = pathlib.Path(cfg.corpus) if cfg.corpus else (out / "corpus.pt" if resume else None)
     corpus = load_or_build_corpus(target, tokenizer, cfg, out, reuse, log, base)
+    eagle3 = cfg.arch == "eagle3"
+    aux = eagle3_aux_layers({}, target.config.num_layers) if eagle3 else None
     feats_path = out / "features.pt"
     t0 = time.perf_counter()
     if resume and feats_path.is_file():
@@ -254,8 +321,8 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
         train_f, held_f = saved["train"], saved["held_out"]
     else:
         bar = _Progress(len(corpus.train) + len(corpus.held_out), "target features", log)
-        train_f = target_features(target, corpus.train, bar.update)
-        held_f = target_features(target, corpus.held_out, bar.update)
+        train_f = target_features(target, corpus.train, bar.update, aux)
+        held_f = target_features(target, corpus.held_out, bar.update, aux)
         bar.close()
         torch.save({"train": train_f, "held_out": held_f}, feats_path)
     features_s = time.perf_counter() - t0
@@ -264,7 +331,8 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
     # Sequences of one token have no (input, target) pair.
     keep = [i for i, (x, _) in enumerate(corpus.train) if len(x) >= 2]
     seqs, feats = [corpus.train[i] for i in keep], [train_f[i] for i in keep]
-    net = EagleNet(target, cfg.init_layers[0], vocab_ids)
+    net = Eagle3Net(target, cfg.init_layers[0], vocab_ids, aux) if eagle3 else EagleNet(target, cfg.init_layers[0],
+                                                                                        vocab_ids)
     if cfg.init_from:
         start_from(net, cfg.init_from, target, tokenizer)
         log(f"starting from the head in {cfg.init_from}")
@@ -286,10 +354,12 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
             ok = valid[..., j]
             if not ok.any():
                 break
-            step = F.smooth_l1_loss(pred[ok], f_real[:, j + 1 : j + 1 + L][ok])
             mask = labels[..., j] != -100
-            if mask.any():
-                step = step + cfg.cls_weight * F.cross_entropy(pred[mask] @ net.head.t(), labels[..., j][mask])
+            ce = F.cross_entropy(net.logits(pred[mask]), labels[..., j][mask]) if mask.any() else torch.zeros(())
+            if eagle3:  # tokens only: the head's feature is its own
+                step = ce
+            else:
+                step = F.smooth_l1_loss(pred[ok], f_real[:, j + 1 : j + 1 + L][ok]) + cfg.cls_weight * ce
             loss = loss + cfg.unroll_decay ** j * step
         return loss
 
@@ -297,7 +367,10 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
                            lambda: held_out_figures(net, corpus.held_out, held_f, remap), resume, log)
     round_to_bfloat16(net)
     final = held_out_figures(net, corpus.held_out, held_f, remap)
-    save_eagle(net, vocab_ids, out)
+    if eagle3:
+        save_eagle3(net, vocab_ids, out)
+    else:
+        save_eagle(net, vocab_ids, out)
     info = {
         "command": command, "recipe": dataclasses.asdict(cfg), "corpus": corpus.stats,
         "vocab_subset_coverage": round(coverage, 4), "features_s": round(features_s, 1), "history": history,
@@ -305,7 +378,7 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
         "total_s": round(time.perf_counter() - started, 1),
     }
     write_outputs(out, target, tokenizer, 1, {"kind": "eagle", "base_model": base, "vocab_subset": int(vocab_ids.size)},
-                  info, log)
+                  info, log, eagle3_config(net, vocab_ids) if eagle3 else None)
     return info
 
 
@@ -319,11 +392,22 @@ def start_from(net: EagleNet, path: str | pathlib.Path, target: LlamaModel, toke
     head = load_eagle(path, target, VocabFingerprint.of(tokenizer))
     if len(head.model.layers) != 1:
         raise ValueError(f"{path}: an EAGLE head with {len(head.model.layers)} layers; training has one")
+    eagle3 = isinstance(net, Eagle3Net)
+    if head.eagle3 != eagle3 or (eagle3 and head.aux_layers != net.aux_layers):
+        def kind(h3, aux):
+            return f"an EAGLE-3 head reading layers {list(aux)}" if h3 else "an EAGLE-1 head"
+        raise ValueError(f"{path}: {kind(head.eagle3, head.aux_layers)} cannot start "
+                         f"{kind(eagle3, getattr(net, 'aux_layers', ()))}")
     w = head.model.layers[0]
     layer = net.layer
     with torch.no_grad():
         net.fc_weight.copy_(dense(head.fc_weight))
-        net.fc_bias.copy_(head.fc_bias if head.fc_bias is not None else torch.zeros_like(net.fc_bias))
+        if eagle3:
+            layer.input_norm.copy_(w.input_norm)
+            net.hidden_norm.copy_(w.hidden_norm)
+            net.norm.copy_(head.model.final_norm)
+        else:
+            net.fc_bias.copy_(head.fc_bias if head.fc_bias is not None else torch.zeros_like(net.fc_bias))
         for name in ("wqkv", "wo", "post_norm", "w_gate_up", "w_down"):
             getattr(layer, name).copy_(dense(getattr(w, name)))
         if (layer.bqkv is None) != (w.bqkv is None):
@@ -332,27 +416,54 @@ def start_from(net: EagleNet, path: str | pathlib.Path, target: LlamaModel, toke
             layer.bqkv.copy_(w.bqkv)
 
 
-def save_eagle(net: EagleNet, vocab_ids: np.ndarray, out: pathlib.Path) -> None:
-    """Write the head in the EAGLE-1 layout (bfloat16) plus `splitspec.vocab_ids`."""
-    from safetensors.torch import save_file
-
-    c = net.config
+def _layer_tensors(layer: _Layer, c, prefix: str) -> dict[str, torch.Tensor]:
+    """The decoder layer's projections and post-attention norm under HF Llama names."""
     H, Hkv, D, I = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-    layer = net.layer
     q, k, v = layer.wqkv.detach().split([H * D, Hkv * D, Hkv * D])
     gate, up = layer.w_gate_up.detach().split([I, I])
     tensors = {
-        "fc.weight": net.fc_weight.detach(), "fc.bias": net.fc_bias.detach(),
-        "layers.0.self_attn.q_proj.weight": q, "layers.0.self_attn.k_proj.weight": k,
-        "layers.0.self_attn.v_proj.weight": v, "layers.0.self_attn.o_proj.weight": layer.wo.detach(),
-        "layers.0.post_attention_layernorm.weight": layer.post_norm.detach(),
-        "layers.0.mlp.gate_proj.weight": gate, "layers.0.mlp.up_proj.weight": up,
-        "layers.0.mlp.down_proj.weight": layer.w_down.detach(),
-        "splitspec.vocab_ids": torch.from_numpy(vocab_ids),
+        f"{prefix}.self_attn.q_proj.weight": q, f"{prefix}.self_attn.k_proj.weight": k,
+        f"{prefix}.self_attn.v_proj.weight": v, f"{prefix}.self_attn.o_proj.weight": layer.wo.detach(),
+        f"{prefix}.post_attention_layernorm.weight": layer.post_norm.detach(),
+        f"{prefix}.mlp.gate_proj.weight": gate, f"{prefix}.mlp.up_proj.weight": up,
+        f"{prefix}.mlp.down_proj.weight": layer.w_down.detach(),
     }
     if layer.bqkv is not None:
-        bq, bk, bv = layer.bqkv.detach().split([H * D, Hkv * D, Hkv * D])
-        tensors.update({"layers.0.self_attn.q_proj.bias": bq, "layers.0.self_attn.k_proj.bias": bk,
-                        "layers.0.self_attn.v_proj.bias": bv})
+        for name, b in zip("qkv", layer.bqkv.detach().split([H * D, Hkv * D, Hkv * D])):
+            tensors[f"{prefix}.self_attn.{name}_proj.bias"] = b
+    return tensors
+
+
+def _save_bfloat16(tensors: dict[str, torch.Tensor], out: pathlib.Path) -> None:
+    from safetensors.torch import save_file
+
     tensors = {k: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def save_eagle(net: EagleNet, vocab_ids: np.ndarray, out: pathlib.Path) -> None:
+    """Write the head in the EAGLE-1 layout (bfloat16) plus `splitspec.vocab_ids`."""
+    _save_bfloat16({"fc.weight": net.fc_weight.detach(), "fc.bias": net.fc_bias.detach(),
+                    **_layer_tensors(net.layer, net.config, "layers.0"),
+                    "splitspec.vocab_ids": torch.from_numpy(vocab_ids)}, out)
+
+
+def save_eagle3(net: Eagle3Net, vocab_ids: np.ndarray, out: pathlib.Path) -> None:
+    """Write the head in the published EAGLE-3 layout (bfloat16): `fc`, `midlayer.*`,
+    `norm`, `lm_head` (the subset's rows), `d2t` (draft id d is target id d + d2t[d]) and
+    `t2d` (which target ids the head can draft), as vLLM and SGLang read it too."""
+    ids = torch.from_numpy(vocab_ids.astype(np.int64))
+    t2d = torch.zeros(net.config.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    _save_bfloat16({"fc.weight": net.fc_weight.detach(),
+                    "midlayer.input_layernorm.weight": net.layer.input_norm.detach(),
+                    "midlayer.hidden_norm.weight": net.hidden_norm.detach(),
+                    **_layer_tensors(net.layer, net.config, "midlayer"),
+                    "norm.weight": net.norm.detach(), "lm_head.weight": net.head,
+                    "d2t": ids - torch.arange(ids.numel()), "t2d": t2d}, out)
+
+
+def eagle3_config(net: Eagle3Net, vocab_ids: np.ndarray) -> dict:
+    """The EAGLE-3 fields of the head's config.json."""
+    return {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": int(vocab_ids.size),
+            "tie_word_embeddings": False, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(net.aux_layers)}}

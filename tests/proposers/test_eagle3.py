@@ -132,20 +132,25 @@ class _Reference:
         h = h + self.mlp(self.post_norm(h))
         return h[0]
 
-    def drafts(self, context: list[int], aux: torch.Tensor, k: int) -> list[int]:
+    def chain(self, context: list[int], aux: torch.Tensor, k: int) -> tuple[list[int], list[torch.Tensor]]:
         """k greedy drafts after `context`, given the target's aux states of its positions
-        0 .. len - 2 ([len - 1, 3H])."""
+        0 .. len - 2 ([len - 1, 3H]), and the layer's output behind each."""
         g = aux.float() @ self.fc.T
         tokens = list(context[1:])
-        out = []
+        out, outputs = [], []
         for _ in range(k):
             last = self.layer(tokens, g)[-1]
-            d = int(torch.argmax(self.norm(last) @ self.lm_head.T))
+            with torch.no_grad():
+                d = int(torch.argmax(self.norm(last) @ self.lm_head.T))
             t = d + int(self.d2t[d])
             out.append(t)
+            outputs.append(last)
             tokens.append(t)
             g = torch.cat([g, last.unsqueeze(0)])
-        return out
+        return out, outputs
+
+    def drafts(self, context: list[int], aux: torch.Tensor, k: int) -> list[int]:
+        return self.chain(context, aux, k)[0]
 
 
 def _aux(model, ids: list[int]) -> torch.Tensor:
@@ -249,6 +254,11 @@ def test_engine_with_an_eagle3_head_is_exact_and_serves_the_same_drafts(eagle3, 
     in_process = local.generate_sync(prompts, params)
     assert [r.token_ids for r in in_process] == want
     assert sum(r.stats.drafted for r in in_process) > 0 and local.stats.num_resyncs == 0
+    # token trees feed each node its parent's output as well
+    trees = _engine(model, tokenizer, EagleProposer(load_eagle(out, model, vocab), vocab,
+                                                     DraftModelConfig(max_num_seqs=4, tree=(3, 2, 1))))
+    results = trees.generate_sync(prompts, params)
+    assert [r.token_ids for r in results] == want and sum(r.stats.drafted for r in results) > 0
 
     async def served():
         remote = EagleProposer(load_eagle(out, model, vocab), vocab, config)
@@ -279,3 +289,81 @@ def test_one_engine_sends_one_kind_of_hidden_states(eagle3, model, tokenizer, vo
     with pytest.raises(ValueError, match=r"eagle: final, eagle3: \[2, 15, 27\]"):
         Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=256), sources,
                Controller.static(2, tuple(sources)))
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle3(tiny_draft, model, tokenizer, tmp_path_factory):
+    import dataclasses
+
+    from proposers.train_eagle import TrainEagleConfig, train_eagle
+    from tests.proposers.conftest import TINY
+
+    cfg = TrainEagleConfig(**{**dataclasses.asdict(TINY), "init_layers": (29,), "steps": 4, "arch": "eagle3",
+                              "corpus": str(tiny_draft[0] / "corpus.pt")})
+    out = tmp_path_factory.mktemp("eagle3-trained")
+    info = train_eagle(model, tokenizer, out, cfg, base="bundled", command="splitspec train eagle --arch eagle3 (test)",
+                       log=lambda *a: None)
+    return out, info
+
+
+@pytest.mark.slow
+def test_the_eagle3_recipe_writes_a_head_that_drafts_as_it_trained(tiny_eagle3, model, hf_model, tokenizer, vocab,
+                                                                   tmp_path):
+    """`splitspec train eagle --arch eagle3` writes the published layout; with noise on
+    its weights (four steps leave it near its start), the training network's unrolled
+    steps (`Eagle3Net.unroll`), the HF-module reference and the proposer draft alike."""
+    from safetensors.torch import load_file
+
+    from proposers.train import WEIGHTS_FILE
+    from proposers.train_eagle import Eagle3Net, eagle3_config, save_eagle3, start_from
+
+    out, info = tiny_eagle3
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": list(AUX)}
+    assert config["splitspec"]["kind"] == "eagle" and config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert [h["step"] for h in info["history"]] == [0, 2, 4]
+    saved = load_file(str(out / WEIGHTS_FILE))
+    vocab_ids = (saved["d2t"] + torch.arange(saved["d2t"].numel())).numpy()
+    np.testing.assert_array_equal(np.flatnonzero(saved["t2d"].numpy()), np.sort(vocab_ids))
+    net = Eagle3Net(model, 29, vocab_ids, AUX)
+    start_from(net, out, model, tokenizer)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in (net.layer.wo, net.layer.w_down, net.fc_weight, net.layer.wqkv):
+            w.add_(0.03 * torch.randn(w.shape, generator=gen))
+        for w in (net.layer.input_norm, net.hidden_norm, net.norm):
+            w.mul_(1 + 0.3 * torch.randn(w.shape, generator=gen))
+        for p in net.parameters():  # as saved
+            p.copy_(p.to(torch.bfloat16).float())
+    noisy = tmp_path / "noisy"
+    noisy.mkdir()
+    save_eagle3(net, vocab_ids, noisy)
+    (noisy / "config.json").write_text(json.dumps({**{k: v for k, v in config.items() if k != "splitspec"},
+                                                   **eagle3_config(net, vocab_ids)}))
+    ref = _Reference(hf_model, load_file(str(noisy / WEIGHTS_FILE)))
+    proposer = EagleProposer(load_eagle(noisy, model, vocab), vocab, DraftModelConfig(max_num_seqs=1, max_k=4))
+    context = load_prompts("chat", tokenizer)[5]
+    aux = _aux(model, context)
+    want, want_outputs = ref.chain(context, aux[:-1], 4)
+    (p,) = proposer.propose_sync([ProposalRequest("s", 0, np.asarray(context, np.int32), 4, 0.0, aux[:-1])])
+    assert p.draft_token_ids.tolist() == want
+    # the training network, last row fed the reference's drafts
+    chain = torch.zeros(1, len(context) - 1, 4, dtype=torch.int64)
+    chain[0, :, 0] = torch.tensor(context[1:])
+    chain[0, -1, 1:] = torch.tensor(want[:-1])
+    with torch.no_grad():
+        outs = net.unroll(chain, aux[None, :-1].float())
+    assert [int(vocab_ids[int(net.logits(o[0, -1]).argmax())]) for o in outs] == want
+    for o, w in zip(outs, want_outputs):
+        torch.testing.assert_close(o[0, -1], w, atol=2e-3, rtol=1e-3)
+
+
+def test_an_eagle1_head_cannot_start_an_eagle3_one(model, tokenizer):
+    from proposers.train import BUNDLED_EAGLE_DIR
+    from proposers.train_eagle import Eagle3Net, TrainEagleConfig, start_from
+
+    net = Eagle3Net(model, 29, np.arange(16), AUX)
+    with pytest.raises(ValueError, match="an EAGLE-1 head cannot start an EAGLE-3 head reading layers"):
+        start_from(net, BUNDLED_EAGLE_DIR, model, tokenizer)
+    with pytest.raises(ValueError, match="arch must be eagle1 or eagle3"):
+        TrainEagleConfig(arch="eagle2")
