@@ -367,3 +367,29 @@ def test_an_eagle1_head_cannot_start_an_eagle3_one(model, tokenizer):
         start_from(net, BUNDLED_EAGLE_DIR, model, tokenizer)
     with pytest.raises(ValueError, match="arch must be eagle1 or eagle3"):
         TrainEagleConfig(arch="eagle2")
+
+
+@pytest.mark.slow
+def test_the_committed_eagle3_head_is_small_reads_three_layers_and_is_exact(model, tokenizer, vocab, exactness_prompts):
+    """The head trained for the bundled target (proposers/assets/smollm2-135m-eagle3): at
+    most 30 MB, reads the states entering layers 2, 30 // 2 and 30 - 3 (the target has 30),
+    loads with its checksum, and drafts chains that keep greedy output exact and are
+    accepted well beyond chance on chat prompts."""
+    from proposers.train import BUNDLED_EAGLE3_DIR, WEIGHTS_FILE
+
+    assert (BUNDLED_EAGLE3_DIR / WEIGHTS_FILE).stat().st_size <= 30 * 10**6
+    assert model.config.num_layers == 30
+    assert head_hidden_state_layers(BUNDLED_EAGLE3_DIR, 30) == (2, 15, 27)
+    assert registry_layers("eagle", {"path": str(BUNDLED_EAGLE3_DIR)}, 30) == (2, 15, 27)
+    head = load_eagle(BUNDLED_EAGLE3_DIR, model, vocab)
+    assert head.eagle3 and head.aux_layers == (2, 15, 27)
+    prompts = exactness_prompts[13:17]  # four chat prompts
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    off = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=1024), None, Controller.off())
+    want = [r.token_ids for r in off.generate_sync(prompts, params)]
+    engine = _engine(model, tokenizer, EagleProposer(head, vocab, DraftModelConfig(max_num_seqs=4)))
+    results = engine.generate_sync(prompts, params)
+    assert [r.token_ids for r in results] == want
+    rounds = sum(r.stats.rounds_with_drafts for r in results)
+    accepted = sum(r.stats.accepted for r in results)
+    assert rounds > 0 and 1 + accepted / rounds >= 1.3, (rounds, accepted)
