@@ -194,10 +194,24 @@ def _train(args: argparse.Namespace) -> int:
     import torch
 
     from proposers.train import (BUNDLED_DRAFT_DIR, BUNDLED_EAGLE_DIR, TrainDraftConfig, fill_answer_cache,
-                                 train_draft)
+                                 train_draft, write_self_prompts)
     from proposers.train_eagle import TrainEagleConfig, train_eagle
     from verifier.models.loader import load_model_and_tokenizer
 
+    if args.what == "prompts":
+        for name in ("num", "batch", "max_tokens"):
+            if getattr(args, name) < 1:
+                raise InvalidRequestError(name.replace("_", "-"), f"must be >= 1, got {getattr(args, name)}")
+        if not args.temperature > 0:
+            raise InvalidRequestError("temperature", f"must be > 0 (prompts are sampled), got {args.temperature}")
+        if not 0.0 < args.top_p <= 1.0:
+            raise InvalidRequestError("top-p", f"must be in (0, 1], got {args.top_p}")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        target, tokenizer = load_model_and_tokenizer(None, None, "float32")
+        print(json.dumps(write_self_prompts(target, tokenizer, args.num, args.seed, args.batch, args.max_tokens,
+                                            args.temperature, args.top_p)))
+        return 0
     config_cls, recipe, default_out = {
         "draft": (TrainDraftConfig, train_draft, BUNDLED_DRAFT_DIR),
         "eagle": (TrainEagleConfig, train_eagle, BUNDLED_EAGLE_DIR),
@@ -242,7 +256,7 @@ def _add_train_parser(sub) -> None:
     t = sub.add_parser("train", help="train a proposer for the target on this machine")
     tsub = t.add_subparsers(dest="what", required=True)
     answer_fields = {"num_prompts", "num_docstring_prompts", "num_function_prompts", "max_answer_tokens",
-                     "generate_batch", "seed"}
+                     "generate_batch", "seed", "self_prompts"}
     for what, config_cls, helptext in (
         ("draft", TrainDraftConfig, "distil a small draft model from the target (proposers/train.py)"),
         ("eagle", TrainEagleConfig, "distil an EAGLE head from the target (proposers/train_eagle.py)"),
@@ -272,6 +286,16 @@ def _add_train_parser(sub) -> None:
                 d.add_argument(flag, type=str if default is None else type(default), default=None,
                                help=f"default {default}")
         d.set_defaults(func=_train)
+    p = tsub.add_parser("prompts", help="have the bundled target write chat prompts itself (Magpie) into "
+                                        "proposers/data/self_prompts.jsonl, for --self-prompts")
+    p.add_argument("--num", type=int, default=2600, help="prompts to sample (default 2600; about 3 in 4 are kept)")
+    p.add_argument("--seed", type=int, default=0, help="request i samples with seed SEED + i (default 0)")
+    p.add_argument("--batch", type=int, default=32, help="sequences decoded together (default 32)")
+    p.add_argument("--max-tokens", type=int, default=64, help="a longer sample is dropped (default 64)")
+    p.add_argument("--temperature", type=float, default=1.0, help="default 1.0")
+    p.add_argument("--top-p", type=float, default=0.95, help="default 0.95")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.set_defaults(func=_train)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,8 @@ The recipe (every step is deterministic for a given seed, corpus and thread coun
      (`proposers/data/train_prompts.jsonl`), plus prompts built from the local Python
      standard library: "summarise this docstring" and "add a docstring to this function"
      (self-distillation, as EAGLE and Medusa do: the draft learns what *this* target says);
+     with `self_prompts`, also the chat prompts the target wrote itself
+     (`proposers/data/self_prompts.jsonl`, `splitspec train prompts`, as in Magpie);
    - chunks of standard-library source, labelled with the target's argmax at each
      position (teacher forcing), so the draft also learns the target on code.
    A few answers are held out to measure top-1 agreement with the target.
@@ -46,6 +48,7 @@ import json
 import logging
 import math
 import pathlib
+import re
 import sys
 import sysconfig
 import time
@@ -71,6 +74,8 @@ BUNDLED_EAGLE3_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-ea
 CONFIG_FILE, WEIGHTS_FILE, INFO_FILE = "config.json", "model.safetensors", "train_info.json"
 #: The bundled target's greedy answers to the training prompts (`AnswerCache`), kept in the repo.
 ANSWERS_PATH = pathlib.Path(__file__).parent / "data" / "target_answers.jsonl.gz"
+#: Chat prompts the bundled target wrote itself (`splitspec train prompts`), kept in the repo.
+SELF_PROMPTS_PATH = pathlib.Path(__file__).parent / "data" / "self_prompts.jsonl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +88,8 @@ class TrainDraftConfig:
     num_prompts: int = 0
     num_docstring_prompts: int = 64
     num_function_prompts: int = 64
+    #: Also the chat prompts the target wrote itself (`SELF_PROMPTS_PATH`, all of them).
+    self_prompts: bool = False
     #: Longest answer the target writes per prompt.
     max_answer_tokens: int = 128
     #: Tokens of standard-library source labelled by the target.
@@ -336,11 +343,16 @@ class Corpus:
 
 def recipe_prompts(tokenizer: Tokenizer, cfg: TrainDraftConfig, rng: np.random.Generator) -> list[list[int]]:
     """The recipe's prompts as token ids (chat template applied): the first `num_prompts`
-    of the repo's prompt set (all when 0), then the standard-library prompts drawn by `rng`."""
+    of the repo's prompt set (all when 0), then the standard-library prompts drawn by `rng`,
+    then (`self_prompts`) the prompts the target wrote itself."""
     convs = load_prompt_set()
     if cfg.num_prompts:
         convs = convs[: cfg.num_prompts]
     texts = [c[0]["content"] for c in convs] + stdlib_prompts(cfg.num_docstring_prompts, cfg.num_function_prompts, rng)
+    if cfg.self_prompts:
+        if not SELF_PROMPTS_PATH.is_file():
+            raise ValueError(f"self_prompts: {SELF_PROMPTS_PATH.name} is missing; `splitspec train prompts` writes it")
+        texts += [c[0]["content"] for c in load_prompt_set(SELF_PROMPTS_PATH)]
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
 
 
@@ -361,6 +373,124 @@ def fill_answer_cache(target: LlamaModel, tokenizer: Tokenizer, cfg: TrainDraftC
     return {"prompts": len(prompts), "cached": hits, "generated": len(prompts) - hits,
             "answer_tokens": sum(len(a) for a in answers), "cache_entries": len(cache),
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+#: Words that say nothing of a prompt's topic (for `benchmark_guard`).
+_GENERIC_WORDS = frozenset("""a about an and are as at be between can cup difference do does explain few for
+fun fact give good how i in is it keep make me name of old on or play sentences short should small some
+start suggest tell ten the three tips to way what while why write year you your""".split())
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def _stem(word: str) -> str:
+    """A plural folded to its singular, roughly: octopuses, cats, rules -> octopus, cat, rule."""
+    if word.endswith(("uses", "sses", "xes", "ches", "shes")):
+        return word[:-2]
+    return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith(("ss", "us", "is")) else word
+
+
+def benchmark_guard(workloads=("chat", "summarize", "code_edit")):
+    """A predicate that is true for a text near a benchmark prompt of `workloads`: one that
+    shares a run of eight words with one (quotes it), or holds two of a chat prompt's topic
+    words, or its only one (its words outside `_GENERIC_WORDS`, plurals folded: "octopus"
+    for "Tell me a fun fact about octopuses", "chess" and "rule" for "Can you explain the
+    rules of chess in a few sentences?"). Self-written training prompts that it flags are
+    dropped, so that none is on a benchmark prompt's topic."""
+    from cluster.workloads import load_conversations
+
+    runs: set[tuple[str, ...]] = set()
+    topics: list[set[str]] = []
+    for name in workloads:
+        for conv in load_conversations(name):
+            words = _words(" ".join(m["content"] for m in conv))
+            runs.update(tuple(words[i : i + 8]) for i in range(len(words) - 7))
+            if name == "chat":
+                topics.append({_stem(w) for w in words if w not in _GENERIC_WORDS})
+
+    def near(text: str) -> bool:
+        words = _words(text)
+        if any(tuple(words[i : i + 8]) in runs for i in range(len(words) - 7)):
+            return True
+        stems = {_stem(w) for w in words}
+        return any(len(t & stems) >= min(len(t), 2) for t in topics if t)
+
+    return near
+
+
+def user_turn_prefix(tokenizer: Tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user's message begins (the system turn,
+    then the user turn's header): what the target continues to write a user's prompt."""
+    marker = "\x00splitspec\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}])
+    return tokenizer.encode(text[: text.index(marker)])
+
+
+def select_self_prompts(samples: list[list[int]], tokenizer: Tokenizer, near) -> tuple[list[str], dict]:
+    """The prompts kept from sampled user turns (token ids, ending at an EOS id when the
+    turn ended), in order, and how many were dropped for each reason: unfinished (no EOS),
+    short (fewer than 3 words), duplicate (the same words as a kept one, case and
+    punctuation aside) and near_benchmark (`near`)."""
+    eos = set(tokenizer.eos_token_ids)
+    kept: list[str] = []
+    seen: set[str] = set()
+    counts = {"unfinished": 0, "short": 0, "duplicate": 0, "near_benchmark": 0}
+    for ids in samples:
+        if not ids or ids[-1] not in eos:
+            counts["unfinished"] += 1
+            continue
+        text = tokenizer.decode(ids[:-1]).strip()
+        words = " ".join(_words(text))
+        reason = ("short" if len(text.split()) < 3 else "duplicate" if words in seen
+                  else "near_benchmark" if near(text) else None)
+        if reason:
+            counts[reason] += 1
+        else:
+            seen.add(words)
+            kept.append(text)
+    return kept, counts
+
+
+def write_self_prompts(target: LlamaModel, tokenizer: Tokenizer, num: int, seed: int = 0, batch: int = 32,
+                       max_tokens: int = 64, temperature: float = 1.0, top_p: float = 0.95,
+                       path: pathlib.Path = SELF_PROMPTS_PATH, log=print) -> dict:
+    """`splitspec train prompts`: `num` chat prompts written by the target itself, as in
+    Magpie: the target continues `user_turn_prefix` (sampled, request i seeded with
+    `seed + i`), and what it writes up to its end-of-turn token is a user's prompt. Kept:
+    samples that end within `max_tokens`, hold at least 3 words, are not a duplicate and
+    are not near a benchmark prompt (`benchmark_guard`). `path` is rewritten whole, in the
+    prompt set's format, in sampling order. Returns counts and timings.
+
+    A rerun with the same seed writes nearly the same prompts, not always the very same:
+    the engine's n-gram controller sizes its passes by measured step times, and float
+    rounding in a pass of another size can flip a sampled token."""
+    from verifier.sampling_params import SamplingParams
+
+    prefix = user_turn_prefix(tokenizer)
+    engine = answer_engine(target, tokenizer, batch, len(prefix) + max_tokens + 16, num)
+    bar = _Progress(num, "self-written prompts", log)
+
+    async def one(i: int) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i)
+        out: list[int] = []
+        async for o in engine.generate(prefix, params):
+            out.extend(o.token_ids)
+        bar.update(1)
+        return out
+
+    async def run() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(i) for i in range(num))))
+
+    t0 = time.perf_counter()
+    samples = asyncio.run(run()) if num else []
+    bar.close()
+    kept, counts = select_self_prompts(samples, tokenizer, benchmark_guard())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in kept))
+    return {"sampled": num, "kept": len(kept), **counts, "sampled_tokens": sum(map(len, samples)),
+            "seconds": round(time.perf_counter() - t0, 1), "out": str(path)}
 
 
 def build_corpus(model: LlamaModel, tokenizer: Tokenizer, cfg: TrainDraftConfig, log=print,
