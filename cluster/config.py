@@ -92,6 +92,10 @@ class ProposerConfig(_Strict):
         None, ge=1, description="torch CPU threads of a model proposer (draft, eagle); null = Ray's default, "
         "resources.num_cpus rounded down, at least 1. N-gram never uses torch.")
     replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
+    fallback: str | None = Field(
+        None, description="Another configured method that drafts, in the same round, for the sequences this one "
+        "has no draft for (e.g. ngram with fallback: eagle: the head drafts wherever n-gram lookup finds no "
+        "match); null = none.")
     resources: ResourcesConfig = Field(ResourcesConfig(num_cpus=0.5), description="Per-replica resources.")
     autoscaling: AutoscalingConfig | None = Field(None, description="Serve autoscaling; overrides replicas.")
 
@@ -287,6 +291,14 @@ class SplitspecConfig(_Strict):
         methods = [p.method for p in self.proposers]
         if len(set(methods)) != len(methods):
             raise ValueError(f"proposers: each method may appear once, got {methods}")
+        fallbacks = {p.method: p.fallback for p in self.proposers if p.fallback is not None}
+        for method, fallback in fallbacks.items():
+            if fallback not in methods or fallback == method:
+                raise ValueError(f"proposers: {method}'s fallback must be another configured method "
+                                 f"({[m for m in methods if m != method]}), got {fallback!r}")
+            if fallback in fallbacks:
+                raise ValueError(f"proposers: {method}'s fallback {fallback!r} has a fallback of its own; "
+                                 f"a fallback is asked once a round")
         if self.api.http_port and self.api.http_port == self.api.grpc_port:
             raise ValueError(f"api: http_port and grpc_port must differ, both are {self.api.http_port}")
         return self

@@ -136,12 +136,14 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
     depth K), "METHOD:K:dB" (dynamic trees of B nodes a depth, `DraftModelConfig.dynamic_tree`; "dB/N":
     reranked to N nodes, `tree_budget`)
     or "auto" (the goodput controller choosing among every method named in the modes,
-    else n-gram)."""
+    else n-gram). METHOD may be "A>B": A, and B in the rounds A has no draft for
+    (`Engine.fallbacks`), the shape B's; "auto:A>B" is auto with that fallback."""
     from proposers.registry import build_proposer
     from verifier.controller import ControllerSettings
 
     config = EngineConfig(max_num_seqs=max(args.batch), max_model_len=args.max_model_len)
-    methods = sorted({m.split(":")[0] for m in args.modes if ":" in m}) or ["ngram"]
+    methods = sorted({n for m in args.modes if ":" in m for n in m.split(":")[m.startswith("auto:")].split(">")}
+                     - {"auto"}) or ["ngram"]
 
     def options(method: str) -> dict:
         if method == "eagle" and args.eagle_head:
@@ -155,17 +157,24 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
     for mode in args.modes:
         if mode == "off":
             engines[mode] = Engine(model, tokenizer, config, None, Controller.off())
-        elif mode == "auto":
+        elif mode.split(":")[0] == "auto":
+            fallback = mode.split(":")[1:]
             engines[mode] = Engine(model, tokenizer, config, proposers,
-                                   Controller(ControllerSettings(policy="goodput", max_k=8), tuple(proposers)))
+                                   Controller(ControllerSettings(policy="goodput", max_k=8), tuple(proposers)),
+                                   fallbacks=dict([fallback[0].split(">")]) if fallback else None)
             # Before the clock starts, as a verifier replica does when it starts (about 6 s).
             engines[mode].profile_step_time()
         else:
-            method, k, *tree = mode.split(":")
+            names, k, *tree = mode.split(":")
+            method, *fallback = names.split(">")
             shape = {} if not tree else _dynamic(tree[0]) if tree[0].startswith("d") else {
                 "tree": [int(w) for w in tree[0].split("-")]}
-            source = build_proposer(method, {**options(method), **shape}) if shape else proposers[method]
-            engines[mode] = Engine(model, tokenizer, config, {method: source}, Controller.static(int(k), (method,)))
+            # A shape applies to the method that drafts it: the fallback's when there is one.
+            shaped = (fallback or [method])[0]
+            sources = {m: build_proposer(m, {**options(m), **shape}) if shape and m == shaped else proposers[m]
+                       for m in [method, *fallback]}
+            engines[mode] = Engine(model, tokenizer, config, sources, Controller.static(int(k), (method,)),
+                                   fallbacks={method: fallback[0]} if fallback else None)
     return engines
 
 
@@ -310,7 +319,8 @@ def add_parser(sub) -> None:
                    help="comma-separated: off, METHOD:K (e.g. draft:4, eagle:4), METHOD:K:W-W-... (a draft "
                         "model or EAGLE head drafting token trees of those widths, e.g. draft:3:4-1-1), METHOD:K:dB "
                         "(dynamic trees of B nodes a depth, e.g. eagle:3:d4), METHOD:K:dB/N (the same reranked to "
-                        "N nodes, e.g. eagle:5:d4/15) or auto "
+                        "N nodes, e.g. eagle:5:d4/15), A>B:K... (A, and B in the rounds A has no draft for, e.g. "
+                        "ngram>eagle:4), auto:A>B (auto with that fallback) or auto "
                         "(the goodput controller over the methods named); default off,ngram:K")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -326,10 +336,14 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.modes = [m for m in (args.modes or f"off,ngram:{args.k}").split(",") if m]
     for mode in args.modes:
         parts = mode.split(":")
-        if mode not in ("off", "auto") and not (len(parts) in (2, 3) and parts[1].isdigit() and (
+        if mode in ("off", "auto") or re.fullmatch(r"auto:\w+>\w+", mode):
+            continue
+        if not (len(parts) in (2, 3) and parts[1].isdigit() and re.fullmatch(
+                r"\w+(>\w+)?", parts[0]) and (
                 len(parts) == 2 or re.fullmatch(r"[1-9]\d*(-[1-9]\d*)*|d[1-9]\d*(/[1-9]\d*)?", parts[2]))):
             raise InvalidRequestError("modes", f"{mode!r} is not off, auto, METHOD:K, METHOD:K:W-W-..., METHOD:K:dB "
-                                               f"or METHOD:K:dB/N")
+                                               f"or METHOD:K:dB/N (METHOD: a method, or A>B: A, then B where A "
+                                               f"has no draft), or auto:A>B")
     if args.draft_vocab_subset is not None:
         from proposers.draft_model import is_trained_draft
 

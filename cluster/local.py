@@ -81,7 +81,8 @@ def engine_from_config(config: SplitspecConfig, model: LlamaModel, tokenizer: To
     check_vocabularies(tokenizer, proposers)
     engine = Engine(model, tokenizer, EngineConfig(
         max_num_seqs=v.max_num_seqs, max_model_len=v.max_model_len, max_waiting=v.max_waiting,
-    ), dict(proposers), Controller(config.controller.settings(), tuple(proposers)), observer)
+    ), dict(proposers), Controller(config.controller.settings(), tuple(proposers)), observer,
+        {p.method: p.fallback for p in config.proposers if p.fallback is not None and p.method in proposers})
     if engine.controller.needs_step_time:
         engine.profile_step_time()
     return engine

@@ -703,6 +703,22 @@ class Controller:
             self.decisions[d.reason] += 1
         return out
 
+    def fallback_k(self, seq_id: str, method: str, k: int) -> int:
+        """How many drafts to ask `method` for, for a `goodput` decision whose own method had
+        no draft this round (`Engine.fallbacks`): the k <= `k` with the best solo goodput
+        for this sequence, max over k of (1 + sum alpha(1..k)) / (T(1 + tokens(k)) + L(k)),
+        0 when none beats no draft. `k` itself before the step time is known."""
+        if self.step_time is None:
+            return k
+        est = self._estimate(self._state(seq_id), method)
+        t = self.step_time
+        best, best_g = 0, 1.0 / t(1)
+        for j in range(1, min(k, self._max_positions) + 1):
+            g = (1.0 + sum(est.alphas(j))) / (t(1 + self.tokens(method, j)) + self.latency_s(method, j))
+            if g > best_g:
+                best, best_g = j, g
+        return best
+
     def trim(self, rounds: Sequence[tuple[str, str | None, int, str]], num_prefill_tokens: int = 0,
              num_prefill_seqs: int = 0, levels: Sequence[Sequence[int] | None] | None = None) -> list[int]:
         """Once the proposers have answered: how many of each sequence's draft positions

@@ -104,6 +104,8 @@ class EngineStats:
     num_shadow_drafts: int = 0
     num_shadow_tokens: int = 0
     num_shadow_matched: int = 0
+    #: Rounds whose method had no draft and that asked its fallback instead (`Engine.fallbacks`).
+    num_fallback_rounds: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     #: Seconds spent choosing k and waiting for the proposers before each pass, and in the
     #: passes themselves (forward and acceptance): the rest of the wall time is the loop's.
@@ -142,6 +144,9 @@ class _Work:
     #: int32 [k]: the drafts form a token tree with these parents (`verifier.token_tree`);
     #: None: a chain. Only greedy sequences verify trees.
     draft_parents: np.ndarray | None = None
+    #: The k this round asked its method for (0: none asked), and the decision's reason.
+    asked_k: int = 0
+    decided: str = ""
 
     def __post_init__(self) -> None:
         self.span = tracing.start_round(self.seq.span, prefill=not self.seq.output_token_ids)
@@ -220,6 +225,7 @@ class Engine:
         proposers: ProposalSource | Mapping[str, ProposalSource] | None = None,
         controller: Controller | None = None,
         observer: EngineObserver | None = None,
+        fallbacks: Mapping[str, str] | None = None,
     ) -> None:
         self.model = model
         model.pack_weights()  # oneDNN on CPU in float32 (a no-op elsewhere)
@@ -232,6 +238,17 @@ class Engine:
         elif not isinstance(proposers, Mapping):
             proposers = {proposers.method: proposers}
         self.proposers: dict[str, ProposalSource] = dict(proposers)
+        #: method -> the method asked, in the same round, for the sequences it had no draft
+        #: for (e.g. n-gram without a match -> EAGLE): see `_fall_back`.
+        self.fallbacks: dict[str, str] = dict(fallbacks or {})
+        for method, fallback in self.fallbacks.items():
+            for name in (method, fallback):
+                if name not in self.proposers:
+                    raise ValueError(f"fallback {method!r} -> {fallback!r}: no proposer {name!r} "
+                                     f"(have {sorted(self.proposers)})")
+            if method == fallback or self.fallbacks.get(fallback) is not None:
+                raise ValueError(f"fallback {method!r} -> {fallback!r}: a fallback is one other method, "
+                                 f"without a fallback of its own")
         #: Methods whose proposers read the target's hidden states (EAGLE): the engine keeps
         #: each sequence's final hidden states (bfloat16) and sends the new ones each round.
         self._hidden_methods = {m for m, src in self.proposers.items() if getattr(src, "needs_hidden_states", False)}
@@ -535,7 +552,8 @@ class Engine:
         by_method: dict[str, list[tuple[int, ProposalRequest]]] = {}
         shadows: dict[str, list[tuple[Sequence, ProposalRequest]]] = {}
         for seq, d in zip(running, decisions):
-            work = _Work(seq, [seq.output_token_ids[-1]], np.zeros(0, np.int32), None, d.method, d.reason)
+            work = _Work(seq, [seq.output_token_ids[-1]], np.zeros(0, np.int32), None, d.method, d.reason,
+                         decided=d.reason)
             works.append(work)
             if d.shadow_k and seq.shadow_method is None and available.get(d.shadow_method) and d.shadow_method != (
                     d.method if d.k else None):
@@ -552,6 +570,7 @@ class Engine:
                 work.reason = "length"
                 continue
             work.rpc_span, carrier = tracing.start_proposer_call(work.span, d.method, k)
+            work.asked_k = k
             by_method.setdefault(d.method, []).append((len(works) - 1, self._request(seq, d.method, k, carrier)))
         # Shadow drafts ride along in a method's call when it has one this round; a method
         # asked only for shadows is called beside the pass (`step` awaits it before commit).
@@ -568,11 +587,44 @@ class Engine:
                         works[i].reason = "proposer_failed"
                 else:
                     self._take_shadows(method, shadows.get(method, ()), proposals[len(reqs):])
+            if self.fallbacks:
+                await self._fall_back(works, shadows)
             self._trim(works, num_prefill_tokens, num_prefill_seqs)
             for work in works:
                 if work.rpc_span is not None:
                     tracing.end_proposer_call(work.rpc_span, int(work.draft_token_ids.size), work.reason)
         return works
+
+    async def _fall_back(self, works: list[_Work], shadows: Mapping[str, list]) -> None:
+        """Ask each method's fallback, one call per fallback, for the same k, for the
+        sequences the method had no draft for this round (n-gram finding no match): a round
+        that would emit one token gets the fallback's drafts instead. Under `goodput` the
+        controller sizes that ask for the fallback (`Controller.fallback_k`; 0: not asked)
+        and `_trim` prices its drafts. The method's empty round still counts towards its
+        share of asks with drafts; the drafts are the fallback's. A sequence with a shadow
+        ask to the fallback this round is left out (one request a sequence a method a round)."""
+        asks: dict[str, list[tuple[_Work, ProposalRequest]]] = {}
+        for work in works:
+            fallback = self.fallbacks.get(work.method)
+            if (work.reason != "no_draft" or fallback is None
+                    or not getattr(self.proposers[fallback], "available", True)
+                    or any(s is work.seq for s, _ in shadows.get(fallback, ()))):
+                continue
+            k = (self.controller.fallback_k(work.seq.request_id, fallback, work.asked_k)
+                 if work.decided == "goodput" else work.asked_k)
+            if k == 0:
+                continue
+            self.controller.observe_round(work.seq.request_id, work.method, 0, 0)
+            work.method, work.reason = fallback, work.decided
+            asks.setdefault(fallback, []).append((work, self._request(work.seq, fallback, k)))
+        answers = await asyncio.gather(*(self._propose(m, [r for _, r in reqs]) for m, reqs in asks.items()))
+        for reqs, proposals in zip(asks.values(), answers):
+            for work, request in reqs:
+                work.reason = "proposer_failed"
+            for (work, request), proposal in zip(reqs, proposals or ()):
+                work.reason = work.decided
+                self._take_proposal(work, request, proposal)
+            self.stats.num_fallback_rounds += len(reqs)
 
     def _trim(self, works: list[_Work], num_prefill_tokens: int, num_prefill_seqs: int) -> None:
         """Let the controller cut the drafts received to what pays now that it knows which

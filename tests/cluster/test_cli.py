@@ -196,6 +196,22 @@ def test_engine_bench_drafts_with_the_eagle_head_it_is_given(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: eagle_head: "), proc.stderr
 
 
+def test_engine_bench_runs_a_method_with_a_fallback(tmp_path):
+    # n-gram finds no match in the first rounds of a chat answer: the head drafts those.
+    out = tmp_path / "bench.json"
+    proc = splitspec("engine-bench", "--workload", "chat", "--batch", "1", "--requests", "1", "--repeats", "1",
+                     "--max-tokens", "16", "--no-hf", "--modes", "off,ngram>eagle:3,auto:ngram>eagle",
+                     "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"off", "ngram>eagle:3", "auto:ngram>eagle"} and report["greedy_mismatches"] == 0
+    assert rows["ngram>eagle:3"]["passes"] < rows["off"]["passes"]
+    for mode in ("ngram>:3", "auto:ngram", "ngram>eagle>draft:3"):
+        proc = splitspec("engine-bench", "--modes", f"off,{mode}", "--no-hf", timeout=60)
+        assert proc.returncode == 2 and proc.stderr.startswith("error: modes: "), (mode, proc.stderr)
+
+
 def _bench_3_requests_at_batch_2(tmp_path, flag: str, max_tokens: int) -> dict[str, dict]:
     """engine-bench's rows by mode for 3 code_edit requests at batch 2 with `flag`
     (`--interleave` or `--continuous`), after checking that both modes served all 3 and

@@ -21,7 +21,7 @@ def test_defaults_serve_the_bundled_model_with_ngram():
 
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-cluster.yaml", "bench-cpu.yaml", "bench-cpu-eagle.yaml",
                                   "bench-cpu-eagle-tree.yaml", "bench-cpu-eagle-dynamic-tree.yaml",
-                                  "bench-cpu-all.yaml", "bench-cpu-qwen-coder.yaml"])
+                                  "bench-cpu-all.yaml", "bench-cpu-qwen-coder.yaml", "bench-cpu-ngram-eagle.yaml"])
 def test_shipped_examples_validate(name):
     c = load_config(CONFIG_DIR / name)
     assert isinstance(c, SplitspecConfig) and c.proposers
@@ -85,6 +85,10 @@ def test_a_bare_policy_off_is_the_off_policy(tmp_path):
         ("proposers: [{method: draft, options: {vocab_subset: 0}}]", "proposers.0", "number of tokens >= 1"),
         ("proposers: [{method: draft, options: {dynamic_tree: 4, tree_budget: 0}}]", "proposers.0.options",
          "number of nodes >= 1"),
+        ("proposers: [{method: ngram, fallback: eagle}]", "(top level)", "ngram's fallback must be another"),
+        ("proposers: [{method: ngram, fallback: ngram}, {method: eagle}]", "(top level)", "got 'ngram'"),
+        ("proposers: [{method: ngram, fallback: eagle}, {method: eagle, fallback: ngram}]", "(top level)",
+         "has a fallback of its own"),
         ("model: {dtype: float16}", "model.dtype", "'float16'"),
         ("controller: {k: 40}", "controller.k", "less than or equal to 16"),
         ("controller: {policy: adaptive}", "controller.policy", "'adaptive'"),

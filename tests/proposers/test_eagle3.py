@@ -393,3 +393,44 @@ def test_the_committed_eagle3_head_is_small_reads_three_layers_and_is_exact(mode
     rounds = sum(r.stats.rounds_with_drafts for r in results)
     accepted = sum(r.stats.accepted for r in results)
     assert rounds > 0 and 1 + accepted / rounds >= 1.3, (rounds, accepted)
+
+
+@pytest.mark.slow
+def test_ngram_falling_back_to_the_committed_head_is_exact_and_drafts_where_ngram_cannot(
+        model, tokenizer, vocab, exactness_prompts):
+    """`Engine.fallbacks` {"ngram": "eagle"}: the rounds where n-gram lookup finds no match
+    ask the trained EAGLE-3 head instead. On two summaries (which quote their text) and two
+    chats (which mostly do not), greedy output equals plain decoding, both methods draft,
+    and the fallback leaves fewer passes than n-gram alone, which emits one token in each
+    round without a match."""
+    from proposers.ngram import NgramProposer
+    from proposers.train import BUNDLED_EAGLE3_DIR
+
+    prompts = exactness_prompts[7:9] + exactness_prompts[13:15]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    config = EngineConfig(max_num_seqs=4, max_model_len=1024)
+    off = Engine(model, tokenizer, config, None, Controller.off())
+    want = [r.token_ids for r in off.generate_sync(prompts, params)]
+    ngram = Engine(model, tokenizer, config, {"ngram": NgramProposer()}, Controller.static(4, ("ngram",)))
+    assert [r.token_ids for r in ngram.generate_sync(prompts, params)] == want
+    head = EagleProposer(load_eagle(BUNDLED_EAGLE3_DIR, model, vocab), vocab, DraftModelConfig(max_num_seqs=4))
+    both = Engine(model, tokenizer, config, {"ngram": NgramProposer(), "eagle": head},
+                  Controller.static(4, ("ngram",)), fallbacks={"ngram": "eagle"})
+    results = both.generate_sync(prompts, params)
+    assert [r.token_ids for r in results] == want
+    by_method = {m: sum(r.stats.rounds_by_method.get(m, 0) for r in results) for m in ("ngram", "eagle")}
+    assert by_method["ngram"] > 0 and by_method["eagle"] > 0, by_method
+    assert both.stats.num_fallback_rounds == by_method["eagle"]
+    assert max(r.stats.drafted / max(r.stats.rounds_with_drafts, 1) for r in results) <= 4
+    assert both.stats.num_steps < ngram.stats.num_steps, (both.stats.num_steps, ngram.stats.num_steps)
+
+
+def test_a_fallback_must_name_two_configured_methods(model, tokenizer):
+    from proposers.ngram import NgramProposer
+
+    with pytest.raises(ValueError, match="no proposer 'eagle'"):
+        Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=64), {"ngram": NgramProposer()},
+               Controller.static(4, ("ngram",)), fallbacks={"ngram": "eagle"})
+    with pytest.raises(ValueError, match="one other method"):
+        Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=64), {"ngram": NgramProposer()},
+               Controller.static(4, ("ngram",)), fallbacks={"ngram": "ngram"})

@@ -363,6 +363,26 @@ def test_a_model_proposers_drafts_are_sized_by_what_each_costs():
     assert _one(c, SequenceView("s")) == Decision("eagle", 3, "goodput")
 
 
+def test_a_fallback_is_asked_for_what_pays_for_it_alone():
+    # The same verifier and head as above, the head standing in for a method that had no
+    # draft: asked up to 8 it is asked for 3 (the best k above); up to 2, for 2 (0.02523
+    # > 1 / 52); with c(j) = 0.05 no k pays (k = 1: 1.05 / (59 + 4) = 0.01667 < 0.01923).
+    def rows(n: int) -> int:
+        return n if n <= 1 else 4 if n <= 4 else 8 if n <= 8 else -(-n // 8) * 8
+
+    t = StepTimeModel([(1, 0.052), (4, 0.059), (8, 0.077), (16, 0.110)], rows=rows)
+    c = Controller(ControllerSettings(max_k=8), ("ngram", "eagle"), t)
+    for _ in range(10):
+        c.observe_proposer("eagle", 0.0065, k=2)
+        c.observe_proposer("eagle", 0.0165, k=6)
+    c._state("s").by_method["eagle"] = AcceptanceEstimate([0.45] * 8)
+    c._state("low").by_method["eagle"] = AcceptanceEstimate([0.05] * 8)
+    assert c.fallback_k("s", "eagle", 8) == 3
+    assert c.fallback_k("s", "eagle", 2) == 2
+    assert c.fallback_k("low", "eagle", 8) == 0
+    assert Controller(ControllerSettings(max_k=8), ("ngram", "eagle")).fallback_k("s", "eagle", 5) == 5
+
+
 def test_a_costly_methods_acceptance_moves_slower():
     # One rejected first draft from a well-measured c(1) = 0.6: a cheap method's estimate
     # moves by 0.3 of the gap (0.6 -> 0.42), a costly one's by 0.1 (0.6 -> 0.54), the

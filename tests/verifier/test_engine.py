@@ -177,6 +177,35 @@ def test_failed_proposer_fails_open(model, tokenizer, code_prompt, plain):
     assert r.stats.drafted == 0
 
 
+def test_a_failing_fallback_fails_open(model, tokenizer, code_prompt, chat_prompt, plain):
+    """N-gram with a fallback that fails: the rounds without a match ask it, get nothing,
+    emit one token; the output stays exact and n-gram's own rounds still draft."""
+    prompts = [code_prompt, chat_prompt]
+    expected = [r.token_ids for r in plain.generate_sync(prompts, GREEDY)]
+    fallback = _FailingProposer()
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512),
+                    {"ngram": NgramProposer(), "failing": fallback}, Controller.static(4, ("ngram",)),
+                    fallbacks={"ngram": "failing"})
+    results = engine.generate_sync(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected
+    assert fallback.calls > 0 and engine.stats.num_proposer_failures == fallback.calls
+    assert engine.stats.num_fallback_rounds >= fallback.calls
+    assert sum(r.stats.rounds_by_method.get("ngram", 0) for r in results) > 0
+    assert sum(r.stats.rounds_off.get("proposer_failed", 0) for r in results) == engine.stats.num_fallback_rounds
+
+
+def test_a_configured_fallback_reaches_the_engine(model, tokenizer, tmp_path):
+    from cluster.config import load_config
+    from cluster.local import engine_from_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("proposers: [{method: ngram, fallback: eagle}, {method: eagle}]\n"
+                    "controller: {policy: static, k: 2}\nverifier: {max_num_seqs: 1, max_model_len: 64}\n")
+    # Two n-gram sources stand in for the deployments' clients: only the wiring is tested.
+    engine = engine_from_config(load_config(path), model, tokenizer, {"ngram": NgramProposer(), "eagle": NgramProposer()})
+    assert engine.fallbacks == {"ngram": "eagle"}
+
+
 def test_resync_recovers_exactly(model, tokenizer, code_prompt, plain):
     expected = _first(plain, code_prompt, GREEDY).token_ids
     proposer = _ForgetfulProposer()
