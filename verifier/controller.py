@@ -703,21 +703,35 @@ class Controller:
             self.decisions[d.reason] += 1
         return out
 
-    def fallback_k(self, seq_id: str, method: str, k: int) -> int:
-        """How many drafts to ask `method` for, for a `goodput` decision whose own method had
-        no draft this round (`Engine.fallbacks`): the k <= `k` with the best solo goodput
-        for this sequence, max over k of (1 + sum alpha(1..k)) / (T(1 + tokens(k)) + L(k)),
-        0 when none beats no draft. `k` itself before the step time is known."""
+    def fallback_ks(self, rounds: Sequence[tuple[str, str | None, int, str]], asks: Sequence[tuple[int, str, int]],
+                    num_prefill_tokens: int = 0, num_prefill_seqs: int = 0) -> list[int]:
+        """How many drafts to ask each fallback for (`Engine.fallbacks`), once the methods
+        have answered: `rounds` as `trim` takes them (every running sequence: seq_id, method,
+        drafts received, reason), `asks[i]` = (index into `rounds` of a sequence whose method
+        had no draft, the fallback, the most it may be asked). Each ask gets the k <= its
+        most that maximises the pass's goodput, (E + alpha(1) + ... + alpha(k)) /
+        (T(n + tokens(k)) + L(k)), E and n the expected tokens and the tokens of the pass
+        with the drafts already received and the asks before it; 0 when none beats no
+        draft. Every most as it is before the step time is known."""
         if self.step_time is None:
-            return k
-        est = self._estimate(self._state(seq_id), method)
-        t = self.step_time
-        best, best_g = 0, 1.0 / t(1)
-        for j in range(1, min(k, self._max_positions) + 1):
-            g = (1.0 + sum(est.alphas(j))) / (t(1 + self.tokens(method, j)) + self.latency_s(method, j))
-            if g > best_g:
-                best, best_g = j, g
-        return best
+            return [k for _, _, k in asks]
+        t = self._pass_time(len(rounds), num_prefill_tokens, num_prefill_seqs)
+        tokens = float(len(rounds) + sum(n for _, _, n, _ in rounds))
+        expected = float(len(rounds)) + sum(
+            sum(self._estimate(self._state(seq_id), m).alphas(min(n, self._max_positions)))
+            for seq_id, m, n, _ in rounds if n and m in self._global)
+        out = []
+        for i, method, most in asks:
+            alphas = self._estimate(self._state(rounds[i][0]), method).alphas(min(most, self._max_positions))
+            best, best_g = 0, expected / t(tokens)
+            for k in range(1, len(alphas) + 1):
+                g = (expected + sum(alphas[:k])) / (t(tokens + self.tokens(method, k)) + self.latency_s(method, k))
+                if g > best_g:
+                    best, best_g = k, g
+            tokens += self.tokens(method, best) if best else 0
+            expected += sum(alphas[:best])
+            out.append(best)
+        return out
 
     def trim(self, rounds: Sequence[tuple[str, str | None, int, str]], num_prefill_tokens: int = 0,
              num_prefill_seqs: int = 0, levels: Sequence[Sequence[int] | None] | None = None) -> list[int]:

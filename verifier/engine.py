@@ -588,30 +588,36 @@ class Engine:
                 else:
                     self._take_shadows(method, shadows.get(method, ()), proposals[len(reqs):])
             if self.fallbacks:
-                await self._fall_back(works, shadows)
+                await self._fall_back(works, shadows, num_prefill_tokens, num_prefill_seqs)
             self._trim(works, num_prefill_tokens, num_prefill_seqs)
             for work in works:
                 if work.rpc_span is not None:
                     tracing.end_proposer_call(work.rpc_span, int(work.draft_token_ids.size), work.reason)
         return works
 
-    async def _fall_back(self, works: list[_Work], shadows: Mapping[str, list]) -> None:
+    async def _fall_back(self, works: list[_Work], shadows: Mapping[str, list], num_prefill_tokens: int,
+                         num_prefill_seqs: int) -> None:
         """Ask each method's fallback, one call per fallback, for the same k, for the
         sequences the method had no draft for this round (n-gram finding no match): a round
         that would emit one token gets the fallback's drafts instead. Under `goodput` the
-        controller sizes that ask for the fallback (`Controller.fallback_k`; 0: not asked)
+        controller sizes those asks for this pass (`Controller.fallback_ks`; 0: not asked)
         and `_trim` prices its drafts. The method's empty round still counts towards its
         share of asks with drafts; the drafts are the fallback's. A sequence with a shadow
         ask to the fallback this round is left out (one request a sequence a method a round)."""
-        asks: dict[str, list[tuple[_Work, ProposalRequest]]] = {}
-        for work in works:
+        wanted: list[tuple[int, str, int]] = []
+        for i, work in enumerate(works):
             fallback = self.fallbacks.get(work.method)
-            if (work.reason != "no_draft" or fallback is None
-                    or not getattr(self.proposers[fallback], "available", True)
-                    or any(s is work.seq for s, _ in shadows.get(fallback, ()))):
-                continue
-            k = (self.controller.fallback_k(work.seq.request_id, fallback, work.asked_k)
-                 if work.decided == "goodput" else work.asked_k)
+            if (work.reason == "no_draft" and fallback is not None
+                    and getattr(self.proposers[fallback], "available", True)
+                    and not any(s is work.seq for s, _ in shadows.get(fallback, ()))):
+                wanted.append((i, fallback, work.asked_k))
+        priced = [(i, m, k) for i, m, k in wanted if works[i].decided == "goodput"]
+        ks = dict(zip((i for i, _, _ in priced), self.controller.fallback_ks(
+            [(w.seq.request_id, w.method, w.depth, w.reason) for w in works], priced,
+            num_prefill_tokens, num_prefill_seqs))) if priced else {}
+        asks: dict[str, list[tuple[_Work, ProposalRequest]]] = {}
+        for i, fallback, most in wanted:
+            work, k = works[i], ks.get(i, most)
             if k == 0:
                 continue
             self.controller.observe_round(work.seq.request_id, work.method, 0, 0)

@@ -365,8 +365,9 @@ def test_a_model_proposers_drafts_are_sized_by_what_each_costs():
 
 def test_a_fallback_is_asked_for_what_pays_for_it_alone():
     # The same verifier and head as above, the head standing in for a method that had no
-    # draft: asked up to 8 it is asked for 3 (the best k above); up to 2, for 2 (0.02523
-    # > 1 / 52); with c(j) = 0.05 no k pays (k = 1: 1.05 / (59 + 4) = 0.01667 < 0.01923).
+    # draft, alone in the pass: asked up to 8 it is asked for 3 (the best k above); up to 2,
+    # for 2 (0.02523 > 1 / 52); with c(j) = 0.05 no k pays (k = 1: 1.05 / (59 + 4) = 0.01667
+    # < 0.01923).
     def rows(n: int) -> int:
         return n if n <= 1 else 4 if n <= 4 else 8 if n <= 8 else -(-n // 8) * 8
 
@@ -377,10 +378,20 @@ def test_a_fallback_is_asked_for_what_pays_for_it_alone():
         c.observe_proposer("eagle", 0.0165, k=6)
     c._state("s").by_method["eagle"] = AcceptanceEstimate([0.45] * 8)
     c._state("low").by_method["eagle"] = AcceptanceEstimate([0.05] * 8)
-    assert c.fallback_k("s", "eagle", 8) == 3
-    assert c.fallback_k("s", "eagle", 2) == 2
-    assert c.fallback_k("low", "eagle", 8) == 0
-    assert Controller(ControllerSettings(max_k=8), ("ngram", "eagle")).fallback_k("s", "eagle", 5) == 5
+    alone = [("s", "ngram", 0, "no_draft")]
+    assert c.fallback_ks(alone, [(0, "eagle", 8)]) == [3]
+    assert c.fallback_ks(alone, [(0, "eagle", 2)]) == [2]
+    assert c.fallback_ks([("low", "ngram", 0, "no_draft")], [(0, "eagle", 8)]) == [0]
+    assert Controller(ControllerSettings(max_k=8), ("ngram", "eagle")).fallback_ks(alone, [(0, "eagle", 5)]) == [5]
+    # Beside a sequence whose 3 n-gram drafts came (c(j) = 0.45 for both methods, E = 2 +
+    # 0.7436 = 2.7436 over 5 tokens, 8 rows: 77 ms; no draft: 2.7436 / 77 = 0.03563 per
+    # ms), 1 to 3 drafts of the head keep the pass at 8 rows: k = 1: 3.1936 / (77 + 4) =
+    # 0.03943; k = 2: 3.3961 / 83.5 = 0.04067 (the best, where alone k = 3 was); k = 3:
+    # 3.4872 / 86 = 0.04055; k = 4 needs 16 rows (110 ms).
+    c._state("t").by_method["ngram"] = AcceptanceEstimate([0.45] * 8)
+    c._global.setdefault("ngram", AcceptanceEstimate([0.45] * 8))
+    pair = [("t", "ngram", 3, "goodput"), ("s", "ngram", 0, "no_draft")]
+    assert c.fallback_ks(pair, [(1, "eagle", 8)]) == [2]
 
 
 def test_a_costly_methods_acceptance_moves_slower():
