@@ -723,12 +723,10 @@ class Controller:
         out = []
         for i, method, most in asks:
             alphas = self._estimate(self._state(rounds[i][0]), method).alphas(min(most, self._max_positions))
-            best, best_g = 0, expected / t(tokens)
-            for k in range(1, len(alphas) + 1):
-                g = (expected + sum(alphas[:k])) / (t(tokens + self.tokens(method, k)) + self.latency_s(method, k))
-                if g > best_g:
-                    best, best_g = k, g
-            tokens += self.tokens(method, best) if best else 0
+            best = self._best_prefix(
+                [(a, 1.0, i, method, self._level(method, j)) for j, a in enumerate(alphas)],
+                lambda gained, added, methods: (expected + gained) / (t(tokens + added) + self._calls_s(methods)))[i]
+            tokens += self.tokens(method, best)
             expected += sum(alphas[:best])
             out.append(best)
         return out

@@ -625,11 +625,11 @@ class Engine:
             asks.setdefault(fallback, []).append((work, self._request(work.seq, fallback, k)))
         answers = await asyncio.gather(*(self._propose(m, [r for _, r in reqs]) for m, reqs in asks.items()))
         for reqs, proposals in zip(asks.values(), answers):
-            for work, request in reqs:
-                work.reason = "proposer_failed"
-            for (work, request), proposal in zip(reqs, proposals or ()):
-                work.reason = work.decided
-                self._take_proposal(work, request, proposal)
+            for (work, request), proposal in zip(reqs, proposals or [None] * len(reqs)):
+                if proposal is None:
+                    work.reason = "proposer_failed"
+                else:
+                    self._take_proposal(work, request, proposal)
             self.stats.num_fallback_rounds += len(reqs)
 
     def _trim(self, works: list[_Work], num_prefill_tokens: int, num_prefill_seqs: int) -> None:
