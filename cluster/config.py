@@ -291,14 +291,11 @@ class SplitspecConfig(_Strict):
         methods = [p.method for p in self.proposers]
         if len(set(methods)) != len(methods):
             raise ValueError(f"proposers: each method may appear once, got {methods}")
-        fallbacks = {p.method: p.fallback for p in self.proposers if p.fallback is not None}
-        for method, fallback in fallbacks.items():
-            if fallback not in methods or fallback == method:
-                raise ValueError(f"proposers: {method}'s fallback must be another configured method "
-                                 f"({[m for m in methods if m != method]}), got {fallback!r}")
-            if fallback in fallbacks:
-                raise ValueError(f"proposers: {method}'s fallback {fallback!r} has a fallback of its own; "
-                                 f"a fallback is asked once a round")
+        from verifier.controller import fallback_problem
+
+        problem = fallback_problem({p.method: p.fallback for p in self.proposers if p.fallback is not None}, methods)
+        if problem is not None:
+            raise ValueError(f"proposers: {problem}")
         if self.api.http_port and self.api.http_port == self.api.grpc_port:
             raise ValueError(f"api: http_port and grpc_port must differ, both are {self.api.http_port}")
         return self

@@ -130,6 +130,50 @@ def _run_hf(hf, prompts: list[list[int]], max_tokens: int, eos_ids) -> tuple[lis
     return outputs, time.perf_counter() - start
 
 
+_MODES_HELP = ("off, auto, METHOD:K, METHOD:K:W-W-..., METHOD:K:dB or METHOD:K:dB/N (METHOD: a method, "
+               "or A>B: A, then B where A has no draft), or auto:A>B")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mode:
+    """One `--modes` entry, parsed (`_parse_mode`)."""
+
+    kind: str  #: "off", "auto" or "static"
+    method: str | None = None  #: the static method, or the one auto falls back from (auto:A>B)
+    fallback: str | None = None  #: asked in the rounds `method` has no draft for (A>B, auto:A>B)
+    k: int = 0
+    shape: str | None = None  #: "W-W-..." or "dB[/N]": the fallback's trees if there is one, else the method's
+
+    @property
+    def methods(self) -> list[str]:
+        """The methods this mode names (auto's others come from the other modes)."""
+        return [m for m in (self.method, self.fallback) if m is not None]
+
+
+def _parse_mode(text: str) -> _Mode:
+    """`--modes` entry -> `_Mode`, or `InvalidRequestError` on "modes".
+
+    >>> _parse_mode("ngram>eagle:4:d4")
+    _Mode(kind='static', method='ngram', fallback='eagle', k=4, shape='d4')
+    >>> _parse_mode("auto:ngram>eagle").methods
+    ['ngram', 'eagle']
+    """
+    if text in ("off", "auto"):
+        return _Mode(text)
+    if found := re.fullmatch(r"auto:(\w+)>(\w+)", text):
+        mode = _Mode("auto", found[1], found[2])
+    elif found := re.fullmatch(r"(\w+)(?:>(\w+))?:(\d+)(?::([1-9]\d*(?:-[1-9]\d*)*|d[1-9]\d*(?:/[1-9]\d*)?))?",
+                               text):
+        mode = _Mode("static", found[1], found[2], int(found[3]), found[4])
+    else:
+        mode = None
+    if mode is None or (mode.kind == "static" and mode.method == "auto" and mode.fallback is None):
+        raise InvalidRequestError("modes", f"{text!r} is not {_MODES_HELP}")
+    if "auto" in mode.methods or mode.fallback == mode.method:
+        raise InvalidRequestError("modes", f"{text!r}: A>B names two different methods, neither of them auto")
+    return mode
+
+
 def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
     """One engine per mode: "off", "METHOD:K" (that proposer, static k), "METHOD:K:W-W-..."
     (a draft model or EAGLE head drafting token trees of those widths, `DraftModelConfig.tree`,
@@ -142,8 +186,8 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
     from verifier.controller import ControllerSettings
 
     config = EngineConfig(max_num_seqs=max(args.batch), max_model_len=args.max_model_len)
-    methods = sorted({n for m in args.modes if ":" in m for n in m.split(":")[m.startswith("auto:")].split(">")}
-                     - {"auto"}) or ["ngram"]
+    modes = {text: _parse_mode(text) for text in args.modes}
+    methods = sorted({m for mode in modes.values() for m in mode.methods}) or ["ngram"]
 
     def options(method: str) -> dict:
         if method == "eagle" and args.eagle_head:
@@ -154,27 +198,25 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
 
     proposers = {m: build_proposer(m, options(m)) for m in methods}
     engines = {}
-    for mode in args.modes:
-        if mode == "off":
-            engines[mode] = Engine(model, tokenizer, config, None, Controller.off())
-        elif mode.split(":")[0] == "auto":
-            fallback = mode.split(":")[1:]
-            engines[mode] = Engine(model, tokenizer, config, proposers,
+    for text, mode in modes.items():
+        fallbacks = {mode.method: mode.fallback} if mode.fallback else None
+        if mode.kind == "off":
+            engines[text] = Engine(model, tokenizer, config, None, Controller.off())
+        elif mode.kind == "auto":
+            engines[text] = Engine(model, tokenizer, config, proposers,
                                    Controller(ControllerSettings(policy="goodput", max_k=8), tuple(proposers)),
-                                   fallbacks=dict([fallback[0].split(">")]) if fallback else None)
+                                   fallbacks=fallbacks)
             # Before the clock starts, as a verifier replica does when it starts (about 6 s).
-            engines[mode].profile_step_time()
+            engines[text].profile_step_time()
         else:
-            names, k, *tree = mode.split(":")
-            method, *fallback = names.split(">")
-            shape = {} if not tree else _dynamic(tree[0]) if tree[0].startswith("d") else {
-                "tree": [int(w) for w in tree[0].split("-")]}
             # A shape applies to the method that drafts it: the fallback's when there is one.
-            shaped = (fallback or [method])[0]
+            shaped = mode.fallback or mode.method
+            shape = {} if mode.shape is None else _dynamic(mode.shape) if mode.shape.startswith("d") else {
+                "tree": [int(w) for w in mode.shape.split("-")]}
             sources = {m: build_proposer(m, {**options(m), **shape}) if shape and m == shaped else proposers[m]
-                       for m in [method, *fallback]}
-            engines[mode] = Engine(model, tokenizer, config, sources, Controller.static(int(k), (method,)),
-                                   fallbacks={method: fallback[0]} if fallback else None)
+                       for m in mode.methods}
+            engines[text] = Engine(model, tokenizer, config, sources, Controller.static(mode.k, (mode.method,)),
+                                   fallbacks=fallbacks)
     return engines
 
 
@@ -335,15 +377,7 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.workload = args.workload or ["code_edit", "chat"]
     args.modes = [m for m in (args.modes or f"off,ngram:{args.k}").split(",") if m]
     for mode in args.modes:
-        parts = mode.split(":")
-        if mode in ("off", "auto") or re.fullmatch(r"auto:\w+>\w+", mode):
-            continue
-        if not (len(parts) in (2, 3) and parts[1].isdigit() and re.fullmatch(
-                r"\w+(>\w+)?", parts[0]) and (
-                len(parts) == 2 or re.fullmatch(r"[1-9]\d*(-[1-9]\d*)*|d[1-9]\d*(/[1-9]\d*)?", parts[2]))):
-            raise InvalidRequestError("modes", f"{mode!r} is not off, auto, METHOD:K, METHOD:K:W-W-..., METHOD:K:dB "
-                                               f"or METHOD:K:dB/N (METHOD: a method, or A>B: A, then B where A "
-                                               f"has no draft), or auto:A>B")
+        _parse_mode(mode)
     if args.draft_vocab_subset is not None:
         from proposers.draft_model import is_trained_draft
 

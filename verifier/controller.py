@@ -1059,6 +1059,28 @@ class Controller:
         return True
 
 
+def fallback_problem(fallbacks: Mapping[str, str], methods: Sequence[str]) -> str | None:
+    """What is wrong with a proposer-fallback map (method -> the method asked in the same
+    round for the sequences it had no draft for), or None: each side must be one of
+    `methods`, a fallback another method, and a fallback has no fallback of its own (it is
+    asked once a round). The one rule `SplitspecConfig` and `Engine` both check.
+
+    >>> fallback_problem({"ngram": "eagle"}, ["ngram", "eagle"]) is None
+    True
+    >>> fallback_problem({"ngram": "eagle"}, ["ngram"])
+    "ngram's fallback must be another configured method (['ngram'] configured), got 'eagle'"
+    """
+    for method, fallback in fallbacks.items():
+        if method not in methods:
+            return f"{method!r} has a fallback but is not a configured method ({list(methods)} configured)"
+        if fallback not in methods or fallback == method:
+            return (f"{method}'s fallback must be another configured method ({list(methods)} configured), "
+                    f"got {fallback!r}")
+        if fallback in fallbacks:
+            return f"{method}'s fallback {fallback!r} has a fallback of its own; a fallback is asked once a round"
+    return None
+
+
 def _ask(calls: dict[str, int], method: str, k: int) -> None:
     """Record that `method` is asked for k drafts of one sequence in this round's call."""
     calls[method] = max(calls.get(method, 0), k)

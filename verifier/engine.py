@@ -39,7 +39,7 @@ import torch
 from protos.proposal import Proposal, ProposalRequest, ProposalSource
 from verifier.errors import InvalidRequestError, OverloadedError
 from verifier.models.llama import LlamaModel
-from verifier.controller import Controller, SequenceView, StepTimeModel
+from verifier.controller import Controller, SequenceView, StepTimeModel, fallback_problem
 from verifier.observer import EngineObserver
 from verifier.rejection_sampler import greedy_accept, rejection_sample
 from verifier.sampling import logits_to_probs
@@ -241,14 +241,9 @@ class Engine:
         #: method -> the method asked, in the same round, for the sequences it had no draft
         #: for (e.g. n-gram without a match -> EAGLE): see `_fall_back`.
         self.fallbacks: dict[str, str] = dict(fallbacks or {})
-        for method, fallback in self.fallbacks.items():
-            for name in (method, fallback):
-                if name not in self.proposers:
-                    raise ValueError(f"fallback {method!r} -> {fallback!r}: no proposer {name!r} "
-                                     f"(have {sorted(self.proposers)})")
-            if method == fallback or self.fallbacks.get(fallback) is not None:
-                raise ValueError(f"fallback {method!r} -> {fallback!r}: a fallback is one other method, "
-                                 f"without a fallback of its own")
+        problem = fallback_problem(self.fallbacks, list(self.proposers))
+        if problem is not None:
+            raise ValueError(f"fallbacks: {problem}")
         #: Methods whose proposers read the target's hidden states (EAGLE): the engine keeps
         #: each sequence's final hidden states (bfloat16) and sends the new ones each round.
         self._hidden_methods = {m for m, src in self.proposers.items() if getattr(src, "needs_hidden_states", False)}

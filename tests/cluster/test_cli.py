@@ -196,6 +196,14 @@ def test_engine_bench_drafts_with_the_eagle_head_it_is_given(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: eagle_head: "), proc.stderr
 
 
+def test_engine_bench_modes_parse_as_their_examples_say():
+    import doctest
+
+    import cluster.engine_bench
+
+    assert doctest.testmod(cluster.engine_bench).failed == 0
+
+
 def test_engine_bench_runs_a_method_with_a_fallback(tmp_path):
     # n-gram finds no match in the first rounds of a chat answer: the head drafts those.
     out = tmp_path / "bench.json"
@@ -207,7 +215,7 @@ def test_engine_bench_runs_a_method_with_a_fallback(tmp_path):
     rows = {r["mode"]: r for r in report["rows"]}
     assert set(rows) == {"off", "ngram>eagle:3", "auto:ngram>eagle"} and report["greedy_mismatches"] == 0
     assert rows["ngram>eagle:3"]["passes"] < rows["off"]["passes"]
-    for mode in ("ngram>:3", "auto:ngram", "ngram>eagle>draft:3"):
+    for mode in ("ngram>:3", "auto:ngram", "ngram>eagle>draft:3", "ngram>ngram:3", "auto:4", "auto>eagle:3"):
         proc = splitspec("engine-bench", "--modes", f"off,{mode}", "--no-hf", timeout=60)
         assert proc.returncode == 2 and proc.stderr.startswith("error: modes: "), (mode, proc.stderr)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import numpy as np
 import pytest
@@ -428,9 +429,13 @@ def test_ngram_falling_back_to_the_committed_head_is_exact_and_drafts_where_ngra
 def test_a_fallback_must_name_two_configured_methods(model, tokenizer):
     from proposers.ngram import NgramProposer
 
-    with pytest.raises(ValueError, match="no proposer 'eagle'"):
+    with pytest.raises(ValueError, match=re.escape(
+            "fallbacks: ngram's fallback must be another configured method (['ngram'] configured), got 'eagle'")):
         Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=64), {"ngram": NgramProposer()},
                Controller.static(4, ("ngram",)), fallbacks={"ngram": "eagle"})
-    with pytest.raises(ValueError, match="one other method"):
+    with pytest.raises(ValueError, match="fallbacks: ngram's fallback must be another .* got 'ngram'"):
         Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=64), {"ngram": NgramProposer()},
                Controller.static(4, ("ngram",)), fallbacks={"ngram": "ngram"})
+    with pytest.raises(ValueError, match=re.escape("fallbacks: 'draft' has a fallback but is not a configured method")):
+        Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=64), {"ngram": NgramProposer()},
+               Controller.static(4, ("ngram",)), fallbacks={"draft": "ngram"})

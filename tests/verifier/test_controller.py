@@ -752,3 +752,27 @@ def test_a_tree_too_wide_for_the_batch_is_compute_bound():
     tree = _controller(step, methods=("eagle",))
     tree.trim([("setup", "eagle", 3, "static")], levels=[[4, 4, 4]])
     assert {d.reason for d in tree.plan(views)} == {"batch_compute_bound"}
+
+
+def test_the_module_examples_hold():
+    """The controller's docstring examples (the fallback rule, the acceptance estimate)."""
+    import doctest
+
+    import verifier.controller
+
+    assert doctest.testmod(verifier.controller).failed == 0
+
+
+@pytest.mark.parametrize("fallbacks, methods, problem", [
+    ({"ngram": "eagle"}, ["ngram", "eagle"], None),
+    ({"ngram": "eagle", "draft": "eagle"}, ["ngram", "eagle", "draft"], None),
+    ({"ngram": "eagle"}, ["ngram"], "ngram's fallback must be another configured method"),
+    ({"ngram": "ngram"}, ["ngram", "eagle"], "ngram's fallback must be another configured method"),
+    ({"ngram": "eagle", "eagle": "draft"}, ["ngram", "eagle", "draft"], "ngram's fallback 'eagle' has a fallback"),
+    ({"draft": "ngram"}, ["ngram"], "'draft' has a fallback but is not a configured method"),
+])
+def test_a_fallback_is_another_configured_method_without_its_own(fallbacks, methods, problem):
+    from verifier.controller import fallback_problem
+
+    found = fallback_problem(fallbacks, methods)
+    assert (found is None) if problem is None else (found is not None and found.startswith(problem)), found
