@@ -26,6 +26,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="float32 (default) is exact; bfloat16 is faster on CPUs with AVX512-BF16")
     p.add_argument("--speculation", choices=(OFF, *sorted(PROPOSERS)), default="ngram")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (0 = no speculation)")
+    p.add_argument("--fallback", choices=sorted(PROPOSERS), default=None,
+                   help="another method asked in the rounds --speculation has no draft for (e.g. --speculation "
+                        "ngram --fallback eagle); with --tree or --dynamic-tree, the one that drafts the trees")
     p.add_argument("--tree", default=None, metavar="W,W,...",
                    help="draft or eagle: draft token trees for greedy requests, W children per node at each depth "
                         "(e.g. 3,2,1; depth --k); default chains")
@@ -38,15 +41,28 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="context length per sequence")
 
 
+def _fallback_arg(args: argparse.Namespace) -> str | None:
+    """`--fallback`, checked against `--speculation`; InvalidRequestError naming it otherwise."""
+    from cluster.local import OFF
+
+    if args.fallback is not None and (args.speculation == OFF or args.k == 0):
+        raise InvalidRequestError("fallback", "is asked where the --speculation method has no draft; "
+                                              "speculation is off")
+    if args.fallback is not None and args.fallback == args.speculation:
+        raise InvalidRequestError("fallback", f"must be another method than --speculation ({args.speculation!r})")
+    return args.fallback
+
+
 def _tree_arg(args: argparse.Namespace) -> tuple[int, ...] | None:
     """`--tree W,W,...` as widths, after checking `--dynamic-tree`; InvalidRequestError
-    naming the parameter otherwise."""
+    naming the parameter otherwise. The trees are the fallback's when there is one."""
     from proposers.registry import DRAFTS_TREES
 
+    drafter, which = (args.fallback, "fallback") if args.fallback else (args.speculation, "speculation")
     for name, value in (("tree", args.tree), ("dynamic_tree", args.dynamic_tree)):
-        if value is not None and args.speculation not in DRAFTS_TREES:
+        if value is not None and drafter not in DRAFTS_TREES:
             raise InvalidRequestError(name, f"token trees are drafted by the model proposers, draft and eagle, only "
-                                            f"(speculation is {args.speculation!r})")
+                                            f"({which} is {drafter!r})")
     if args.dynamic_tree is not None and args.dynamic_tree < 1:
         raise InvalidRequestError("dynamic_tree", f"must be >= 1, got {args.dynamic_tree}")
     if args.tree_budget is not None:
@@ -84,10 +100,11 @@ def _generate(args: argparse.Namespace) -> int:
     ).validate()
     if args.k < 0:
         raise InvalidRequestError("k", f"must be >= 0, got {args.k}")
+    fallback = _fallback_arg(args)
     tree = _tree_arg(args)
     engine = build_local_engine(LocalEngineSpec(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
-        k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree, dynamic_tree=args.dynamic_tree,
+        fallback=fallback, k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree, dynamic_tree=args.dynamic_tree,
         tree_budget=args.tree_budget,
     ))
     tok = engine.tokenizer
@@ -119,6 +136,7 @@ def _generate(args: argparse.Namespace) -> int:
             "prompt_token_ids": prompt_ids,
             "finish_reason": finish_reason,
             "speculation": args.speculation if args.k > 0 else "off",
+            "fallback": fallback,
             "k": args.k,
             "tree": None if tree is None else list(tree),
             "dynamic_tree": args.dynamic_tree,

@@ -29,11 +29,14 @@ class LocalEngineSpec:
     tokenizer: str | None = None
     dtype: str = "float32"
     speculation: str = "ngram"
+    #: Another method asked in the rounds `speculation` has no draft for (`Engine.fallbacks`).
+    fallback: str | None = None
     k: int = 4
     max_num_seqs: int = 8
     max_model_len: int = 2048
     #: Token-tree widths for a draft model or EAGLE head (`DraftModelConfig.tree`), or
     #: nodes a depth of its dynamic trees (`DraftModelConfig.dynamic_tree`); None: chains.
+    #: They shape the fallback's drafts when there is one, else `speculation`'s.
     tree: tuple[int, ...] | None = None
     dynamic_tree: int | None = None
     #: The most nodes a dynamic tree keeps (`DraftModelConfig.tree_budget`); None: all.
@@ -59,11 +62,13 @@ def build_local_engine(spec: LocalEngineSpec) -> Engine:
     config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
     if spec.speculation == OFF or spec.k == 0:
         return Engine(model, tokenizer, config, None, Controller.off())
-    shape = {"tree": None if spec.tree is None else list(spec.tree), "dynamic_tree": spec.dynamic_tree,
-             "tree_budget": spec.tree_budget}
-    proposer = build_proposer(spec.speculation, {k: v for k, v in shape.items() if v is not None})
-    check_vocabularies(tokenizer, {spec.speculation: proposer})
-    return Engine(model, tokenizer, config, proposer, Controller.static(spec.k))
+    shape = {k: v for k, v in (("tree", None if spec.tree is None else list(spec.tree)),
+                               ("dynamic_tree", spec.dynamic_tree), ("tree_budget", spec.tree_budget)) if v is not None}
+    methods = [spec.speculation] if spec.fallback is None else [spec.speculation, spec.fallback]
+    proposers = {m: build_proposer(m, shape if m == methods[-1] else {}) for m in methods}
+    check_vocabularies(tokenizer, proposers)
+    return Engine(model, tokenizer, config, proposers, Controller.static(spec.k, (spec.speculation,)),
+                  fallbacks=None if spec.fallback is None else {spec.speculation: spec.fallback})
 
 
 def verifier_threads(verifier: VerifierConfig) -> int | None:

@@ -83,6 +83,19 @@ def test_generate_with_reranked_dynamic_trees_gives_the_same_tokens(ngram_json):
     assert stats["drafted"] > 4 * stats["rounds_with_drafts"] and stats["mean_acceptance_length"] > 1.0
 
 
+def test_generate_with_an_eagle_fallback_gives_the_same_tokens(ngram_json):
+    # The answer's first words quote nothing of the prompt: n-gram has no match there, the head drafts.
+    proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40", "--speculation", "ngram",
+                     "--fallback", "eagle", "--k", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == ngram_json["token_ids"] and out["fallback"] == "eagle"
+    assert out["stats"]["rounds_by_method"].get("eagle", 0) > 0, out["stats"]
+    assert out["stats"]["rounds_with_drafts"] > ngram_json["stats"]["rounds_with_drafts"], (out["stats"],
+                                                                                             ngram_json["stats"])
+    assert out["stats"]["rounds"] < ngram_json["stats"]["rounds"], (out["stats"], ngram_json["stats"])
+
+
 def test_generate_streams_text_then_a_summary(ngram_json):
     proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40")
     assert proc.returncode == 0, proc.stderr
@@ -105,6 +118,10 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--speculation", "draft", "--dynamic-tree", "2", "--tree", "2,1"], "tree"),
         (["--prompt", "hi", "--speculation", "draft", "--tree-budget", "4"], "tree_budget"),
         (["--prompt", "hi", "--speculation", "eagle", "--dynamic-tree", "2", "--tree-budget", "0"], "tree_budget"),
+        (["--prompt", "hi", "--fallback", "ngram"], "fallback"),  # n-gram already
+        (["--prompt", "hi", "--speculation", "off", "--fallback", "eagle"], "fallback"),
+        (["--prompt", "hi", "--k", "0", "--fallback", "eagle"], "fallback"),
+        (["--prompt", "hi", "--speculation", "eagle", "--fallback", "ngram", "--tree", "2,1"], "tree"),  # n-gram's
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field):
