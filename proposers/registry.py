@@ -8,6 +8,21 @@ from typing import Any, Callable
 from protos.proposal import ProposalSource
 from proposers.ngram import NgramConfig, NgramProposer
 
+#: The project's root: a relative proposer `path` not found from the working directory is
+#: looked up here, so `proposers/assets/...` names a committed asset wherever a replica runs.
+PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def resolve_path(path: str | pathlib.Path | None) -> pathlib.Path | None:
+    """A configured file or directory: a leading ~ expanded; a relative path that does not
+    exist from the working directory but does from `PROJECT_ROOT` is taken from there."""
+    if path is None:
+        return None
+    path = pathlib.Path(path).expanduser()
+    if not path.is_absolute() and not path.exists() and (PROJECT_ROOT / path).exists():
+        return PROJECT_ROOT / path
+    return path
+
 
 def _ngram(options: dict[str, Any]) -> ProposalSource:
     return NgramProposer(NgramConfig(**options))
@@ -31,7 +46,7 @@ def _draft(options: dict[str, Any]) -> ProposalSource:
     from verifier.models.vocab import VocabFingerprint
 
     options = dict(options)
-    path, base = options.pop("path", None), options.pop("base", None)
+    path, base = resolve_path(options.pop("path", None)), options.pop("base", None)
     tokenizer_dir = options.pop("tokenizer", None)
     dtype, layers = options.pop("dtype", "float32"), options.pop("layers", None)
     subset = options.pop("vocab_subset", None)
@@ -51,7 +66,7 @@ def _draft(options: dict[str, Any]) -> ProposalSource:
         vocab = VocabFingerprint.of(tokenizer)
         model, token_map = load_trained_draft(path, target, vocab, DTYPES.get(dtype, torch.float32))
         return DraftModelProposer(model, vocab, config, token_map=token_map)
-    model, tokenizer = load_model_and_tokenizer(path, tokenizer_dir, dtype)
+    model, tokenizer = load_model_and_tokenizer(str(path), tokenizer_dir, dtype)
     if layers is not None:
         model = with_layers(model, [int(i) for i in layers])
     token_map = None
@@ -76,7 +91,7 @@ def _eagle(options: dict[str, Any]) -> ProposalSource:
     from verifier.models.vocab import VocabFingerprint
 
     options = dict(options)
-    path, base = options.pop("path", None), options.pop("base", None)
+    path, base = resolve_path(options.pop("path", None)), options.pop("base", None)
     tokenizer_dir, dtype = options.pop("tokenizer", None), options.pop("dtype", "float32")
     config = DraftModelConfig(**options)
     if path is None:
@@ -103,8 +118,8 @@ def hidden_state_layers(method: str, options: dict[str, Any] | None, target_laye
 
     if method != "eagle":
         return None
-    path = (options or {}).get("path") or BUNDLED_EAGLE_DIR
-    return head_hidden_state_layers(pathlib.Path(path).expanduser(), target_layers)
+    path = resolve_path((options or {}).get("path")) or BUNDLED_EAGLE_DIR
+    return head_hidden_state_layers(path, target_layers)
 #: Methods whose proposers draft token trees (option `tree`, `DraftModelConfig.tree`).
 DRAFTS_TREES = frozenset({"draft", "eagle"})
 

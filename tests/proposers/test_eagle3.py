@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 import re
 
 import numpy as np
@@ -397,6 +398,23 @@ def test_the_committed_eagle3_head_is_small_reads_three_layers_and_is_exact(mode
 
 
 @pytest.mark.slow
+def test_a_relative_asset_path_is_found_from_any_working_directory(tmp_path, monkeypatch):
+    """`options: {path: proposers/assets/smollm2-135m-eagle3}` (as in bench-cpu-ngram-eagle.yaml)
+    names the committed head wherever the replica's working directory is; a relative path
+    that exists from the working directory is taken from there."""
+    from proposers.registry import PROJECT_ROOT, resolve_path
+    from proposers.train import BUNDLED_EAGLE3_DIR
+
+    monkeypatch.chdir(tmp_path)
+    relative = "proposers/assets/smollm2-135m-eagle3"
+    assert resolve_path(relative) == BUNDLED_EAGLE3_DIR and PROJECT_ROOT / relative == BUNDLED_EAGLE3_DIR
+    assert registry_layers("eagle", {"path": relative}, 30) == (2, 15, 27)
+    (tmp_path / relative).mkdir(parents=True)
+    assert resolve_path(relative) == pathlib.Path(relative)
+    assert resolve_path("no/such/head") == pathlib.Path("no/such/head")  # the loader names it
+    assert resolve_path("~/x") == pathlib.Path.home() / "x" and resolve_path(None) is None
+
+
 def test_ngram_falling_back_to_the_committed_head_is_exact_and_drafts_where_ngram_cannot(
         model, tokenizer, vocab, exactness_prompts):
     """`Engine.fallbacks` {"ngram": "eagle"}: the rounds where n-gram lookup finds no match
