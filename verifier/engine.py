@@ -598,11 +598,12 @@ class Engine:
         controller sizes those asks for this pass (`Controller.fallback_ks`; 0: not asked)
         and `_trim` prices its drafts. The method's empty round still counts towards its
         share of asks with drafts; the drafts are the fallback's. A sequence with a shadow
-        ask to the fallback this round is left out (one request a sequence a method a round)."""
+        ask to the fallback this round is left out (one request a sequence a method a round),
+        and so is one whose request pinned its method (`speculation.method`: that method only)."""
         wanted: list[tuple[int, str, int]] = []
         for i, work in enumerate(works):
             fallback = self.fallbacks.get(work.method)
-            if (work.reason == "no_draft" and fallback is not None
+            if (work.reason == "no_draft" and fallback is not None and work.seq.method is None
                     and getattr(self.proposers[fallback], "available", True)
                     and not any(s is work.seq for s, _ in shadows.get(fallback, ()))):
                 wanted.append((i, fallback, work.asked_k))

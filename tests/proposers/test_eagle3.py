@@ -442,6 +442,12 @@ def test_ngram_falling_back_to_the_committed_head_is_exact_and_drafts_where_ngra
     assert both.stats.num_fallback_rounds == by_method["eagle"]
     assert max(r.stats.drafted / max(r.stats.rounds_with_drafts, 1) for r in results) <= 4
     assert both.stats.num_steps < ngram.stats.num_steps, (both.stats.num_steps, ngram.stats.num_steps)
+    # A request that pins its method (speculation.method: ngram) gets n-gram only.
+    pinned = both.generate_sync(prompts, params, method="ngram")
+    assert [r.token_ids for r in pinned] == want
+    assert [r.stats.rounds_by_method for r in pinned] == [r.stats.rounds_by_method for r in
+                                                          ngram.generate_sync(prompts, params)]
+    assert both.stats.num_fallback_rounds == by_method["eagle"]
 
 
 def test_a_fallback_must_name_two_configured_methods(model, tokenizer):
