@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -31,7 +32,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from verifier.errors import SplitspecError
@@ -44,6 +45,9 @@ WARMUP_MAX_TOKENS = 16
 #: At least this many requests per run when --requests is not given (default 2 x concurrency).
 MIN_REQUESTS = 4
 SPECULATION_FIELDS = ("drafted", "accepted", "rounds", "rounds_with_drafts")
+#: Per-request counters by name, summed over a run's requests: drafting rounds per method,
+#: rounds without drafts per reason (README "The controller").
+SPECULATION_TALLIES = ("rounds_by_method", "rounds_off")
 #: Seconds a request may wait for its next chunk: at concurrency 32 on a 2-core CPU one
 #: request can queue for minutes behind the others.
 READ_TIMEOUT_S = 600.0
@@ -136,6 +140,8 @@ class RequestRecord:
     accepted: int = 0
     rounds: int = 0
     rounds_with_drafts: int = 0
+    rounds_by_method: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    rounds_off: Mapping[str, int] = dataclasses.field(default_factory=dict)
     error: str | None = None
 
 
@@ -185,6 +191,7 @@ def record_from_stream(start_s: float, lines: Iterable[tuple[float, str]]) -> Re
         return RequestRecord(start_s, error="no usage chunk (stream_options.include_usage ignored?)")
     try:
         counts = {f: int(speculation.get(f) or 0) for f in SPECULATION_FIELDS}
+        counts.update({f: {str(k): int(v) for k, v in (speculation.get(f) or {}).items()} for f in SPECULATION_TALLIES})
         return RequestRecord(start_s, tuple(content_s), t, int(usage["completion_tokens"]), **counts)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         return RequestRecord(start_s, error=f"malformed usage or speculation: {exc!r}")
@@ -246,18 +253,35 @@ def summarise_run(records: Sequence[RequestRecord], duration_s: float) -> dict[s
         "acceptance_rate": sums["accepted"] / sums["drafted"] if sums["drafted"] else 0.0,
         "mean_acceptance_length": 1 + sums["accepted"] / sums["rounds_with_drafts"] if sums["rounds_with_drafts"] else 1.0,
         **{f: sums[f] for f in SPECULATION_FIELDS},
+        **{f: _tally(getattr(r, f) for r in ok) for f in SPECULATION_TALLIES},
     }
+
+
+def _tally(counters: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Counters summed by key, keys sorted.
+
+    >>> _tally([{"ngram": 3}, {"eagle": 1, "ngram": 2}])
+    {'eagle': 1, 'ngram': 5}
+    """
+    out: collections.Counter[str] = collections.Counter()
+    for counter in counters:
+        out.update(counter)
+    return dict(sorted(out.items()))
 
 
 def combine_repeats(runs: Sequence[dict[str, float | int]]) -> dict[str, float | int | list[float]]:
     """One row from the per-repeat summaries of `summarise_run`: each figure is the median over
-    repeats (counts the lower median, so they stay counts a repeat produced), `errors` the total;
+    repeats (counts the lower median, so they stay counts a repeat produced; in
+    `rounds_by_method` and `rounds_off`, each key's), `errors` the total;
     `output_tokens_per_s_by_repeat` keeps each repeat's throughput, in run order, to show the spread."""
     row: dict[str, float | int | list[float]] = {}
     for key in runs[0]:
         values = [r[key] for r in runs]
         if key == "errors":
             row[key] = sum(values)
+        elif key in SPECULATION_TALLIES:  # each count's lower median over repeats (0 where absent)
+            row[key] = {k: statistics.median_low([v.get(k, 0) for v in values])
+                        for k in sorted({k for v in values for k in v})}
         elif key in COUNT_FIELDS:
             row[key] = statistics.median_low(values)
         else:

@@ -74,7 +74,8 @@ def test_api_base_accepts_the_root_or_v1():
 
 # ---------------------------------------------------------------------- SSE
 SPEC = {"mode": "on", "method": "ngram", "rounds": 3, "rounds_with_drafts": 2, "drafted": 8, "accepted": 3,
-        "acceptance_rate": 0.375, "mean_acceptance_length": 2.5, "tokens_per_second": 12.0}
+        "acceptance_rate": 0.375, "mean_acceptance_length": 2.5, "tokens_per_second": 12.0,
+        "rounds_by_method": {"ngram": 2}, "rounds_off": {"no_draft": 1}}
 STREAM = [  # (arrival time s, line) as a chat stream from our ingress arrives
     (0.10, 'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}'),
     (0.10, ""),
@@ -99,6 +100,7 @@ def test_record_from_stream():
     assert r.end_s == 0.57  # data: [DONE]; the line after it is never read
     assert r.output_tokens == 6
     assert (r.drafted, r.accepted, r.rounds, r.rounds_with_drafts) == (8, 3, 3, 2)
+    assert (r.rounds_by_method, r.rounds_off) == ({"ngram": 2}, {"no_draft": 1})
 
 
 def test_record_from_stream_of_a_server_without_speculation_counts_zero():
@@ -107,6 +109,7 @@ def test_record_from_stream_of_a_server_without_speculation_counts_zero():
     r = record_from_stream(0.0, lines)
     assert r.error is None and r.output_tokens == 1
     assert (r.drafted, r.accepted, r.rounds, r.rounds_with_drafts) == (0, 0, 0, 0)
+    assert (r.rounds_by_method, r.rounds_off) == ({}, {})
 
 
 @pytest.mark.parametrize("lines, message", [
@@ -144,11 +147,13 @@ def test_request_timings():
 
 RECORDS = [
     # A: TTFT 100 ms, ITLs 200 and 100 ms, e2e 500 ms, TPOT (500 - 100) / (9 - 1) = 50 ms.
-    RequestRecord(0.0, (0.1, 0.3, 0.4), 0.5, 9, drafted=8, accepted=6, rounds=4, rounds_with_drafts=3),
+    RequestRecord(0.0, (0.1, 0.3, 0.4), 0.5, 9, drafted=8, accepted=6, rounds=4, rounds_with_drafts=3,
+                  rounds_by_method={"ngram": 2, "eagle": 1}, rounds_off={"no_draft": 1}),
     # B: TTFT 200 ms, ITL 100 ms, e2e 600 ms, TPOT (600 - 200) / (5 - 1) = 100 ms.
-    RequestRecord(1.0, (1.2, 1.3), 1.6, 5, drafted=4, accepted=1, rounds=3, rounds_with_drafts=2),
+    RequestRecord(1.0, (1.2, 1.3), 1.6, 5, drafted=4, accepted=1, rounds=3, rounds_with_drafts=2,
+                  rounds_by_method={"ngram": 2}, rounds_off={"low_acceptance": 1}),
     # C: one token, TTFT 400 ms, no ITL, e2e 400 ms, no TPOT.
-    RequestRecord(2.0, (2.4,), 2.4, 1, rounds=1),
+    RequestRecord(2.0, (2.4,), 2.4, 1, rounds=1, rounds_off={"no_draft": 1}),
     # D: failed; counts as an error only.
     RequestRecord(2.5, error="HTTP 429: full"),
 ]
@@ -172,6 +177,8 @@ def test_summarise_run_by_hand():
     assert (s["drafted"], s["accepted"], s["rounds"], s["rounds_with_drafts"]) == (12, 7, 8, 5)
     assert s["acceptance_rate"] == pytest.approx(7 / 12)
     assert s["mean_acceptance_length"] == pytest.approx(1 + 7 / 5)  # = 2.4
+    assert s["rounds_by_method"] == {"eagle": 1, "ngram": 4}
+    assert s["rounds_off"] == {"low_acceptance": 1, "no_draft": 2}
 
 
 def test_summarise_run_without_drafts_or_successes():
@@ -190,6 +197,10 @@ def test_combine_repeats_takes_medians_and_sums_errors():
     # Two repeats: floats take the mean of the middle two, counts the lower one (still a count).
     row = combine_repeats(runs[:2])
     assert (row["output_tokens_per_s"], row["output_tokens"], row["drafted"]) == (20.0, 90, 36)
+    # Tallies: each key's lower median, a key a repeat lacks counting 0 there.
+    tallies = combine_repeats([{"errors": 0, "output_tokens_per_s": 1.0, "rounds_off": {"no_draft": n, **extra}}
+                               for n, extra in ((5, {"probe": 2}), (3, {}), (4, {"probe": 6}))])
+    assert tallies["rounds_off"] == {"no_draft": 4, "probe": 2}
 
 
 # ---------------------------------------------------------------------- workloads
