@@ -271,17 +271,16 @@ def _tally(counters: Iterable[Mapping[str, int]]) -> dict[str, int]:
 
 def combine_repeats(runs: Sequence[dict[str, float | int]]) -> dict[str, float | int | list[float]]:
     """One row from the per-repeat summaries of `summarise_run`: each figure is the median over
-    repeats (counts the lower median, so they stay counts a repeat produced; in
-    `rounds_by_method` and `rounds_off`, each key's), `errors` the total;
+    repeats (counts the lower median, so they stay counts a repeat produced), `errors`, and
+    `rounds_by_method` and `rounds_off` key by key, the totals over repeats;
     `output_tokens_per_s_by_repeat` keeps each repeat's throughput, in run order, to show the spread."""
     row: dict[str, float | int | list[float]] = {}
     for key in runs[0]:
         values = [r[key] for r in runs]
         if key == "errors":
             row[key] = sum(values)
-        elif key in SPECULATION_TALLIES:  # each count's lower median over repeats (0 where absent)
-            row[key] = {k: statistics.median_low([v.get(k, 0) for v in values])
-                        for k in sorted({k for v in values for k in v})}
+        elif key in SPECULATION_TALLIES:  # summed: per-key medians would not add up to one run's rounds
+            row[key] = _tally(values)
         elif key in COUNT_FIELDS:
             row[key] = statistics.median_low(values)
         else:

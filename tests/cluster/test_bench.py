@@ -197,10 +197,10 @@ def test_combine_repeats_takes_medians_and_sums_errors():
     # Two repeats: floats take the mean of the middle two, counts the lower one (still a count).
     row = combine_repeats(runs[:2])
     assert (row["output_tokens_per_s"], row["output_tokens"], row["drafted"]) == (20.0, 90, 36)
-    # Tallies: each key's lower median, a key a repeat lacks counting 0 there.
+    # Tallies: summed over repeats, key by key.
     tallies = combine_repeats([{"errors": 0, "output_tokens_per_s": 1.0, "rounds_off": {"no_draft": n, **extra}}
                                for n, extra in ((5, {"probe": 2}), (3, {}), (4, {"probe": 6}))])
-    assert tallies["rounds_off"] == {"no_draft": 4, "probe": 2}
+    assert tallies["rounds_off"] == {"no_draft": 12, "probe": 8}
 
 
 # ---------------------------------------------------------------------- workloads
