@@ -104,8 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
     tree = _tree_arg(args)
     engine = build_local_engine(LocalEngineSpec(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
-        fallback=fallback, k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree, dynamic_tree=args.dynamic_tree,
-        tree_budget=args.tree_budget,
+        fallback=fallback, k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree,
+        dynamic_tree=args.dynamic_tree, tree_budget=args.tree_budget,
     ))
     tok = engine.tokenizer
     if args.chat:

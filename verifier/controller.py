@@ -380,8 +380,11 @@ class ProposerLatency:
     A call in which a sequence catches up on more context than a round emits (its first
     call, which fills a draft model's KV cache with the prompt, a resync, or a return after
     rounds without drafts) is not a round's cost: once it ends, the sequence's later rounds
-    cost L(k) again. Such a call is left out (`catch_up`), or, while the method has had no
-    other, taken until the first other replaces it. Measured with the Qwen2.5-Coder-0.5B
+    cost L(k) again. Such a call is left out of the line (`catch_up`), or, while the method
+    has had no other, taken until the first other replaces it. What catching up adds to
+    the line, `catch_up_s`, is an EWMA of its own: a fallback's ask (`Controller.fallback_ks`)
+    is mostly such a call, since the sequence has drafted with another method since it last
+    asked this one. Measured with the Qwen2.5-Coder-0.5B
     draft served (dynamic trees): a sequence's first call took 0.65-1.2 s, its later calls
     about 0.1 s per draft (0.3 s at k = 3); taken in, one first call at k = 5 among calls
     at k = 3 fitted a slope that priced one draft at nothing and three at more than they
@@ -393,8 +396,10 @@ class ProposerLatency:
     0.005
     >>> lat.observe(0.008, k=2); round(lat(2), 4), round(lat(8), 4)  # the line through both
     (0.008, 0.02)
-    >>> lat.observe(0.500, k=2, catch_up=True); round(lat(2), 4)  # left out
+    >>> lat.observe(0.500, k=2, catch_up=True); round(lat(2), 4)  # left out of the line
     0.008
+    >>> round(lat.catch_up_s, 4)  # what catching up added: 0.500 - L(2)
+    0.492
     """
 
     FIT_MIN_VAR = 0.25  # k squared
@@ -408,9 +413,16 @@ class ProposerLatency:
         self.slope: float | None = None
         #: Whether every call observed so far was a catch-up (the first other replaces them).
         self.catch_up_only = False
+        #: EWMA of what a catch-up call took beyond L(k) (0 until one is seen beside the line).
+        self.catch_up_s = 0.0
+        self._seen_catch_up = False
 
     def observe(self, seconds: float, k: int | None = None, catch_up: bool = False) -> None:
         if catch_up and self.mean_s is not None and not self.catch_up_only:
+            extra = max(seconds - self(k), 0.0)
+            self.catch_up_s = extra if not self._seen_catch_up else self.catch_up_s + self.ewma * (
+                extra - self.catch_up_s)
+            self._seen_catch_up = True
             return
         if self.catch_up_only and not catch_up:
             self.mean_s, self._moments, self.slope = None, None, None
@@ -704,7 +716,8 @@ class Controller:
         return out
 
     def fallback_ks(self, rounds: Sequence[tuple[str, str | None, int, str]], asks: Sequence[tuple[int, str, int]],
-                    num_prefill_tokens: int = 0, num_prefill_seqs: int = 0) -> list[int]:
+                    num_prefill_tokens: int = 0, num_prefill_seqs: int = 0,
+                    catch_ups: Sequence[bool] | None = None) -> list[int]:
         """How many drafts to ask each fallback for (`Engine.fallbacks`), once the methods
         have answered: `rounds` as `trim` takes them (every running sequence: seq_id, method,
         drafts received, reason), `asks[i]` = (index into `rounds` of a sequence whose method
@@ -712,7 +725,9 @@ class Controller:
         most that maximises the pass's goodput, (E + alpha(1) + ... + alpha(k)) /
         (T(n + tokens(k)) + L(k)), E and n the expected tokens and the tokens of the pass
         with the drafts already received and the asks before it; 0 when none beats no
-        draft. Every most as it is before the step time is known."""
+        draft. `catch_ups[i]`: the ask's sequence is behind on the fallback's context (it
+        drafted with another method since), so the call costs L(k) plus the method's
+        `ProposerLatency.catch_up_s`. Every most as it is before the step time is known."""
         if self.step_time is None:
             return [k for _, _, k in asks]
         t = self._pass_time(len(rounds), num_prefill_tokens, num_prefill_seqs)
@@ -721,11 +736,14 @@ class Controller:
             sum(self._estimate(self._state(seq_id), m).alphas(min(n, self._max_positions)))
             for seq_id, m, n, _ in rounds if n and m in self._global)
         out = []
-        for i, method, most in asks:
+        for n, (i, method, most) in enumerate(asks):
             alphas = self._estimate(self._state(rounds[i][0]), method).alphas(min(most, self._max_positions))
+            lat = self._latency.get(method)
+            extra = lat.catch_up_s if lat is not None and catch_ups is not None and catch_ups[n] else 0.0
             best = self._best_prefix(
                 [(a, 1.0, i, method, self._level(method, j)) for j, a in enumerate(alphas)],
-                lambda gained, added, methods: (expected + gained) / (t(tokens + added) + self._calls_s(methods)))[i]
+                lambda gained, added, methods: (expected + gained) / (
+                    t(tokens + added) + self._calls_s(methods) + (extra if methods else 0.0)))[i]
             tokens += self.tokens(method, best)
             expected += sum(alphas[:best])
             out.append(best)

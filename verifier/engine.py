@@ -608,9 +608,12 @@ class Engine:
                     and not any(s is work.seq for s, _ in shadows.get(fallback, ()))):
                 wanted.append((i, fallback, work.asked_k))
         priced = [(i, m, k) for i, m, k in wanted if works[i].decided == "goodput"]
+        # Behind on the fallback's context by more than a round emits: the call catches up.
+        behind = [works[i].seq.num_context_tokens - works[i].seq.synced_len.get(m, 0) > self.config.max_k + 1
+                  for i, m, _ in priced]
         ks = dict(zip((i for i, _, _ in priced), self.controller.fallback_ks(
             [(w.seq.request_id, w.method, w.depth, w.reason) for w in works], priced,
-            num_prefill_tokens, num_prefill_seqs))) if priced else {}
+            num_prefill_tokens, num_prefill_seqs, behind))) if priced else {}
         asks: dict[str, list[tuple[_Work, ProposalRequest]]] = {}
         for i, fallback, most in wanted:
             work, k = works[i], ks.get(i, most)

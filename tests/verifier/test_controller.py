@@ -394,6 +394,36 @@ def test_a_fallback_is_asked_for_what_pays_for_it_alone():
     assert c.fallback_ks(pair, [(1, "eagle", 8)]) == [2]
 
 
+
+def test_a_fallback_ask_that_catches_up_is_priced_with_what_catching_up_costs():
+    # The verifier, head and sequence of the test above; L(k) = 1.5 + 2.5 k ms. A catch-up
+    # call (the sequence drafted with n-gram since it last asked the head) took L(2) + 20 ms:
+    # alone, k = 3 still pays, 1.7436 / (59 + 9 + 20) = 0.01981 > 1 / 52 = 0.01923 (k = 2:
+    # 1.6525 / 85.5 = 0.01933; k = 1: 1.45 / 83 = 0.01747). At L(2) + 30 ms none does
+    # (k = 3: 1.7436 / 98 = 0.01779; k = 2: 1.6525 / 95.5 = 0.01730), unless the ask does
+    # not catch up.
+    def rows(n: int) -> int:
+        return n if n <= 1 else 4 if n <= 4 else 8 if n <= 8 else -(-n // 8) * 8
+
+    def controller(extra_s: float) -> Controller:
+        c = Controller(ControllerSettings(max_k=8), ("ngram", "eagle"),
+                       StepTimeModel([(1, 0.052), (4, 0.059), (8, 0.077), (16, 0.110)], rows=rows))
+        for _ in range(10):
+            c.observe_proposer("eagle", 0.0065, k=2)
+            c.observe_proposer("eagle", 0.0165, k=6)
+        for _ in range(3):
+            c.observe_proposer("eagle", 0.0065 + extra_s, k=2, catch_up=True)
+        c._state("s").by_method["eagle"] = AcceptanceEstimate([0.45] * 8)
+        return c
+
+    alone = [("s", "ngram", 0, "no_draft")]
+    assert controller(0.020).latency_s("eagle", 2) == pytest.approx(0.0065)  # the line is unmoved
+    assert controller(0.020).fallback_ks(alone, [(0, "eagle", 8)], catch_ups=[True]) == [3]
+    assert controller(0.030).fallback_ks(alone, [(0, "eagle", 8)], catch_ups=[True]) == [0]
+    assert controller(0.030).fallback_ks(alone, [(0, "eagle", 8)], catch_ups=[False]) == [3]
+    assert controller(0.030).fallback_ks(alone, [(0, "eagle", 8)]) == [3]
+
+
 def test_a_costly_methods_acceptance_moves_slower():
     # One rejected first draft from a well-measured c(1) = 0.6: a cheap method's estimate
     # moves by 0.3 of the gap (0.6 -> 0.42), a costly one's by 0.1 (0.6 -> 0.54), the
