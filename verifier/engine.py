@@ -608,8 +608,7 @@ class Engine:
                     and not any(s is work.seq for s, _ in shadows.get(fallback, ()))):
                 wanted.append((i, fallback, work.asked_k))
         priced = [(i, m, k) for i, m, k in wanted if works[i].decided == "goodput"]
-        # Behind on the fallback's context by more than a round emits: the call catches up.
-        behind = [works[i].seq.num_context_tokens - works[i].seq.synced_len.get(m, 0) > self.config.max_k + 1
+        behind = [self._catches_up(works[i].seq.num_context_tokens - works[i].seq.synced_len.get(m, 0))
                   for i, m, _ in priced]
         ks = dict(zip((i for i, _, _ in priced), self.controller.fallback_ks(
             [(w.seq.request_id, w.method, w.depth, w.reason) for w in works], priced,
@@ -735,11 +734,16 @@ class Engine:
             return None
         finally:
             seconds = time.perf_counter() - start
-            # A sequence catching up on more than a round emits (its first call, a resync, a
-            # return after rounds without drafts) makes this call no measure of a round's.
-            catch_up = any(len(r.append_token_ids) > self.config.max_k + 1 for r in requests)
+            # A sequence catching up (its first call, a resync, a return after rounds without
+            # drafts) makes this call no measure of a round's.
+            catch_up = any(self._catches_up(len(r.append_token_ids)) for r in requests)
             self.controller.observe_proposer(method, seconds, max((r.k for r in requests), default=0), catch_up)
             self.observer.on_proposer_call(method, seconds, ok)
+
+    def _catches_up(self, num_new_tokens: int) -> bool:
+        """Whether a proposer sent `num_new_tokens` context tokens it lacks is catching up:
+        more than a round emits (`ProposerLatency`'s catch-up calls)."""
+        return num_new_tokens > self.config.max_k + 1
 
     def _clamp_k(self, seq: Sequence, k: int) -> int:
         # A round emits up to k + 1 tokens; drafting past max_tokens would be wasted work
