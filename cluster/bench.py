@@ -2,7 +2,7 @@
 
 For each workload and concurrency it sends N greedy streaming chat requests, at most
 `concurrency` in flight, once per speculation mode; the modes of one (workload,
-concurrency) run back to back, their order rotated each repeat, and a row's figures are
+concurrency) run back to back, in a balanced order each repeat, and a row's figures are
 medians over repeats. It talks to any server of the API (`--url`) or starts the service
 from a config on a fresh local Ray cluster (`--config`) and stops it afterwards.
 
@@ -121,10 +121,27 @@ def parse_modes(text: str) -> list[Mode]:
     return modes
 
 
-def rotated(items: Sequence, repeat: int) -> list:
-    """`items` rotated left by `repeat`: each mode goes first once every len(items) repeats."""
-    shift = repeat % len(items)
-    return [*items[shift:], *items[:shift]]
+def balanced_order(items: Sequence, repeat: int) -> list:
+    """The order of `items` in repeat `repeat`: the rows of a Williams square, so that each
+    item goes first once, and follows every other item equally often, every len(items)
+    repeats (2 x len(items) when that is odd; the second half reverses the first).
+
+    A plain rotation keeps the cyclic order, so each mode always ran right after the same
+    other mode; with state that outlives a run (the controller's estimates, the
+    proposers' caches, the machine's load after a heavy mode) that biased one mode
+    against another the same way in every repeat.
+
+    >>> [balanced_order("abcd", r) for r in range(4)]
+    [['a', 'b', 'd', 'c'], ['b', 'c', 'a', 'd'], ['c', 'd', 'b', 'a'], ['d', 'a', 'c', 'b']]
+    >>> [balanced_order("abc", r) for r in range(6)][2:4]
+    [['c', 'a', 'b'], ['c', 'b', 'a']]
+    """
+    n = len(items)
+    r = repeat % (2 * n if n % 2 else n)
+    # First row 0, 1, n-1, 2, n-2, ...; row r adds r (mod n); odd n: then the rows reversed.
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    row = [items[(a + r) % n] for a in first]
+    return row[::-1] if r >= n else row
 
 
 # ---------------------------------------------------------------------- one request
@@ -391,7 +408,7 @@ async def run_bench(base: str, model: str, plan: Plan) -> list[dict]:
             for concurrency in plan.concurrency:
                 runs: dict[str, list[dict]] = {m.name: [] for m in plan.modes}
                 for repeat in range(plan.repeats):
-                    for mode in rotated(plan.modes, repeat):
+                    for mode in balanced_order(plan.modes, repeat):
                         records, duration = await run_requests(client, base, model, conversations,
                                                                plan.num_requests(concurrency), concurrency,
                                                                plan.max_tokens, mode)
@@ -535,7 +552,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=_arg_type(_positive_int), default=128,
                    help="output tokens per request (greedy; fewer if it ends with EOS; default 128)")
     p.add_argument("--repeats", type=_arg_type(_positive_int), default=1,
-                   help="repeat every set of modes, rotating their order; rows are medians over repeats")
+                   help="repeat every set of modes, each repeat in another order (each mode first once, and after each "
+                        "other equally often, every N or 2N repeats of N modes); rows are medians over repeats")
     p.add_argument("--model", default=None, help="the served model name (default: the first of GET /v1/models)")
     p.add_argument("--json", default=None, help="write the rows (a JSON list) to this file")
     p.add_argument("--plot", default=None, help="write a PNG of tok/s and TPOT vs concurrency to this file")

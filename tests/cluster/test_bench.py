@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import signal
@@ -19,11 +20,11 @@ from cluster.bench import (
     percentile,
     record_from_stream,
     request_timings,
-    rotated,
+    balanced_order,
     sigterm_interrupts,
     summarise_run,
 )
-from cluster.bench_report import best_modes, format_table, plot_rows
+from cluster.bench_report import against_best_static, best_modes, format_table, paired_ratio, plot_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -59,11 +60,25 @@ def test_parse_modes_keeps_order_and_rejects_repeats_and_empty():
         parse_modes(" , ")
 
 
-def test_rotated_puts_each_mode_first_once_per_cycle():
-    modes = ["off", "static:2", "auto"]
-    assert [rotated(modes, r) for r in range(4)] == [
-        ["off", "static:2", "auto"], ["static:2", "auto", "off"], ["auto", "off", "static:2"],
-        ["off", "static:2", "auto"]]
+@pytest.mark.parametrize("n", range(1, 8))
+def test_balanced_order_puts_each_mode_first_once_and_after_each_other_equally_often(n):
+    modes = [f"m{i}" for i in range(n)]
+    cycle = 2 * n if n % 2 else n
+    rows = [balanced_order(modes, r) for r in range(2 * cycle)]
+    assert all(sorted(row) == modes for row in rows)
+    assert rows[cycle:] == rows[:cycle]  # then it starts over
+    # Every cycle: each mode first once (twice for odd n), ...
+    firsts = collections.Counter(row[0] for row in rows[:cycle])
+    assert firsts == {m: cycle // n for m in modes}
+    # ... and each ordered pair of modes back to back equally often (once, or twice for odd n).
+    pairs = collections.Counter((a, b) for row in rows[:cycle] for a, b in zip(row, row[1:]))
+    assert pairs == {(a, b): cycle // n for a in modes for b in modes if a != b}
+
+
+def test_balanced_order_of_four_and_three_by_hand():
+    # A plain rotation ran b right after a in every repeat; here b follows a, c and d once each.
+    assert ["".join(balanced_order("abcd", r)) for r in range(4)] == ["abdc", "bcad", "cdba", "dacb"]
+    assert ["".join(balanced_order("abc", r)) for r in range(6)] == ["abc", "bca", "cab", "cba", "acb", "bac"]
 
 
 def test_api_base_accepts_the_root_or_v1():
@@ -237,6 +252,44 @@ def test_table_marks_the_best_mode_and_the_ratio_to_off():
     assert ratios == ["-"] * 12
 
 
+def _repeats(mode, by_repeat, concurrency=8):
+    row = _row("mix", concurrency, mode, sorted(by_repeat)[len(by_repeat) // 2], 100.0)
+    return {**row, "output_tokens_per_s_by_repeat": by_repeat}
+
+
+# Three repeats whose pace drifts: the second ran at half speed for every mode.
+PAIRED = [_repeats("off", [40.0, 20.0, 44.0]), _repeats("static:2", [48.0, 25.0, 52.8]),
+          _repeats("static:4", [50.0, 21.0, 48.4]), _repeats("auto", [52.0, 26.0, 50.6])]
+
+
+def test_paired_ratio_divides_out_the_pace_of_each_repeat():
+    off, s2, s4, auto = PAIRED
+    # static:2 / off per repeat: 1.2, 1.25, 1.2 -> median 1.2; static:4: 1.25, 1.05, 1.1 -> 1.1.
+    assert paired_ratio(s2, off) == pytest.approx(1.2)
+    assert paired_ratio(s4, off) == pytest.approx(1.1)
+    # auto / static:2: 52/48, 26/25, 50.6/52.8 -> 1.0833, 1.04, 0.9583 -> 1.04.
+    assert paired_ratio(auto, s2) == pytest.approx(1.04)
+    # Nothing to pair: no per-repeat figures, or counts that differ.
+    assert paired_ratio(_row("mix", 8, "auto", 1.0, 1.0), off) is None
+    assert paired_ratio(_repeats("auto", [1.0, 2.0]), off) is None
+
+
+def test_against_best_static_by_hand():
+    (v,) = against_best_static(PAIRED)
+    # Medians: static:2 48.0, static:4 48.4 (the best), auto 50.6 -> 50.6 / 48.4.
+    assert (v["mode"], v["best_static"]) == ("auto", "static:4")
+    assert v["ratio"] == pytest.approx(50.6 / 48.4)
+    # Paired: auto / static:4 = 1.04, 1.2381, 1.0455 -> 1.0455; / static:2 -> 1.04, the lower.
+    assert (v["paired"], v["paired_static"]) == (pytest.approx(1.04), "static:2")
+    text = format_table(PAIRED)
+    assert "mix c=8 auto: 1.05x of static:4; paired 1.04x of static:2" in text
+    line = next(x for x in text.splitlines() if x.split()[:2] == ["8", "static:4"])
+    assert line.split()[3:5] == ["1.21x", "1.10x"]  # 48.4 / 40.0, the medians; paired 1.1
+    # No static mode, or no auto mode: nothing to say.
+    assert against_best_static([r for r in PAIRED if not r["mode"].startswith("static")]) == []
+    assert against_best_static(PAIRED[:3]) == []
+
+
 def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "bench.png"
     plot_rows(ROWS, path)
@@ -308,3 +361,14 @@ def test_serve_bench_splits_each_step_by_hand():
     after = _engine_counters({"num_steps": 15, "propose_s": 0.3, "pass_s": 0.8})
     assert _per_step(before, after, 1.0) == {"steps": 10, "propose_ms": 20.0, "pass_ms": 50.0, "rest_ms": 30.0}
     assert _per_step(after, after, 1.0) == {"steps": 0}
+
+
+def test_doctests():
+    import doctest
+
+    import cluster.bench
+    import cluster.bench_report
+
+    for module in (cluster.bench, cluster.bench_report):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
