@@ -42,5 +42,11 @@ def test_bench_rows_against_the_service(main_app, tmp_path, capsys):
             # At most 2 drafts per round that drafted.
             assert r["drafted"] <= 2 * r["rounds_with_drafts"]
             assert 1.0 <= r["mean_acceptance_length"] <= 3.0
-    table = capsys.readouterr().out
-    assert table.startswith("code_edit") and table.count("static:2") == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "code_edit"
+    assert [x.split()[:2] for x in lines if x.split()[1:2] == ["static:2"]] == [["1", "static:2"], ["2", "static:2"]]
+    # Under the table, auto against the static mode at each concurrency (one repeat: paired
+    # is that repeat's ratio).
+    versus = [x.strip() for x in lines if x.strip().startswith("code_edit c=")]
+    assert [x.split(":")[0] for x in versus] == ["code_edit c=1 auto", "code_edit c=2 auto"]
+    assert all(x.endswith("of static:2") for x in versus), versus
