@@ -30,10 +30,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="another method asked in the rounds --speculation has no draft for (e.g. --speculation "
                         "ngram --fallback eagle); with --tree or --dynamic-tree, the one that drafts the trees")
     p.add_argument("--tree", default=None, metavar="W,W,...",
-                   help="draft or eagle: draft token trees for greedy requests, W children per node at each depth "
+                   help="draft or eagle: draft token trees, W children per node at each depth "
                         "(e.g. 3,2,1; depth --k); default chains")
     p.add_argument("--dynamic-tree", type=int, default=None, metavar="B",
-                   help="draft or eagle: dynamic token trees for greedy requests, the B most likely paths at each "
+                   help="draft or eagle: dynamic token trees, the B most likely paths at each "
                         "depth (e.g. 4; depth --k); default chains")
     p.add_argument("--tree-budget", type=int, default=None, metavar="N",
                    help="with --dynamic-tree: keep the N nodes of the most likely paths (EAGLE-2's rerank, e.g. "

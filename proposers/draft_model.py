@@ -20,7 +20,9 @@ picks d1 = 8 from the logits after 7; pass 1 feeds 8 and picks d2 = 9. The cache
 holds [5, 6, 7, 8]. The verifier accepts 8, rejects 9 and emits 4: the next request is
 base_len 3, append [8, 4]. 8 matches the cached draft, so only 4 is fed.
 
-Token trees (`DraftModelConfig.tree` or `dynamic_tree`, greedy requests): pass j feeds
+Token trees (`DraftModelConfig.tree` or `dynamic_tree`, greedy and sampled requests alike:
+the nodes are the top candidates, without probabilities, and the verifier samples over
+them with `verifier.token_tree.sample_accept_tree`): pass j feeds
 every node of depth j instead of one draft, each attending the context and its own
 ancestors (`LlamaModel.forward` trees), and each node's children are its top candidates
 (all of them for fixed widths; for a dynamic tree, those on the depth's most likely
@@ -222,12 +224,12 @@ class DraftModelConfig:
     sample_top_k: int = 64
     #: Seed of the sampling generator.
     seed: int = 0
-    #: Token trees for greedy requests: the children each draft node gets at each depth,
+    #: Token trees (greedy and sampled requests): the children each node gets at each depth,
     #: e.g. (3, 2, 1): the root's top 3, each of those their top 2, and one each after
     #: (depths past the list get 1). A tree of depth k has sum over j <= k of prod(tree[:j])
     #: drafts: (3, 2, 1) at k = 3 is 3 + 6 + 6 = 15. None: chains.
     tree: tuple[int, ...] | None = None
-    #: Dynamic token trees for greedy requests (EAGLE-2's expansion), instead of `tree`'s
+    #: Dynamic token trees (any request; EAGLE-2's expansion), instead of `tree`'s
     #: fixed widths: each node of a depth offers its best `dynamic_tree` children, and the
     #: `dynamic_tree` of them whose paths the proposer finds most likely (the product of its
     #: probabilities along the path) are the next depth. So a tree of depth k has
@@ -261,7 +263,7 @@ class DraftModelConfig:
                 raise ValueError(f"tree_budget must be >= 1, got {self.tree_budget}")
 
     def widths(self, k: int) -> list[int] | None:
-        """Children each node offers at depths 1..k of a greedy request's tree (a dynamic
+        """Children each node offers at depths 1..k of a request's tree (a dynamic
         tree keeps `dynamic_tree` of all a depth's offers); None: a chain."""
         if self.dynamic_tree is not None:
             return [self.dynamic_tree] * k
@@ -429,20 +431,23 @@ class DraftModelProposer:
     def _draft(self, drafting: list[tuple[int, _Seq, int, float]]
                ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
         """(tokens, probs, tree parents or None) per drafting sequence: chains, or token
-        trees for greedy requests when `tree` or `dynamic_tree` is set. Pass 0 feeds each sequence's unseen
-        context; every later pass the drafts of the depth before (a chain has one), tree
-        nodes attending their ancestors only (`LlamaModel.forward` trees)."""
+        trees when `tree` or `dynamic_tree` is set (without probabilities: a tree's nodes
+        count as one-hot q). Pass 0 feeds each sequence's unseen context; every later pass
+        the drafts of the depth before (a chain has one), tree nodes attending their
+        ancestors only (`LlamaModel.forward` trees)."""
         features = self.needs_hidden_states  # an EAGLE head feeds each node its parent's f^
         vocab = self.model.config.vocab_size
         dynamic = self.config.dynamic_tree is not None
         widths = []
-        for _, seq, k, t in drafting:
-            w = self.config.widths(k) if t == 0 else None
+        for _, seq, k, _ in drafting:
+            w = self.config.widths(k)
             # The cache holds the root and the nodes of depths 1..k-1 (the last depth is not fed).
             if w is not None and self._root(seq) + 1 + self.config.tree_nodes(k - 1) > self.config.max_model_len:
                 w = None
             widths.append(w)
-        probs = [np.zeros((k, vocab), np.float32) if t > 0 else None for _, _, k, t in drafting]
+        # A sampled chain's q; a tree's nodes are top candidates (one-hot q, `sample_accept_tree`).
+        probs = [np.zeros((k, vocab), np.float32) if t > 0 and w is None else None
+                 for (_, _, k, t), w in zip(drafting, widths)]
         tokens: list[list[int]] = [[] for _ in drafting]
         parents: list[list[int]] = [[] for _ in drafting]
         feeds = [self._context_feed(seq) for _, seq, _, _ in drafting]

@@ -54,7 +54,8 @@ class Proposal:
     from — or None for a deterministic draft (treated as one-hot q by the verifier).
     `resync`: the proposer lacks `base_len` tokens of state; send the full context.
     `draft_parents`: int32 [n] or None. None: the drafts are a chain (draft i continues
-    draft i - 1). Otherwise a token tree, for greedy requests only: `draft_parents[i]` is
+    draft i - 1). Otherwise a token tree (its drafts count as one-hot q, `draft_probs`
+    unread): `draft_parents[i]` is
     the index of draft i's parent (< i), or -1 for the last context token; the depth is at
     most k (n may exceed k) and siblings come in order of preference (the verifier reads
     the first child of each node as the chain when it needs one). Example: the top two

@@ -9,8 +9,9 @@ Each step (one verifier forward pass):
      sequence, `[last, d1..dk]` for a running one;
   4. accept (greedy match or rejection sampling), emit accepted + 1 tokens per sequence,
      roll the KV cache back past the rejected drafts, stream the text out;
-     a greedy sequence's drafts may be a token tree (`verifier.token_tree`): the pass
-     verifies every branch, the longest matching path is accepted and its K/V kept;
+     the drafts may be a token tree (`verifier.token_tree`): the pass verifies every
+     branch, and the path accepted (greedy: the longest matching one; sampled: the walk
+     of `sample_accept_tree`) keeps its K/V;
   5. tell the controller what was accepted, how long the pass and the proposers took, and
      the observer (metrics, `verifier.observer`) the same; traced requests get spans
      (`verifier.tracing`).
@@ -45,7 +46,7 @@ from verifier.rejection_sampler import greedy_accept, rejection_sample
 from verifier.sampling import logits_to_probs
 from verifier.sampling_params import SamplingParams
 from verifier.sequence import FinishReason, RequestOutput, Sequence, SequenceStats
-from verifier.token_tree import first_chain, greedy_accept_tree, tree_depths, tree_prefix
+from verifier.token_tree import first_chain, greedy_accept_tree, sample_accept_tree, tree_depths, tree_prefix
 from verifier import tracing
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class _Work:
     span: object = None
     rpc_span: object = None
     #: int32 [k]: the drafts form a token tree with these parents (`verifier.token_tree`);
-    #: None: a chain. Only greedy sequences verify trees.
+    #: None: a chain. A tree's drafts count as one-hot q (no `draft_probs`).
     draft_parents: np.ndarray | None = None
     #: The k this round asked its method for (0: none asked), and the decision's reason.
     asked_k: int = 0
@@ -761,9 +762,9 @@ class Engine:
         there are none: `resync` (the proposer lost the sequence), `proposer_failed`
         (token ids outside the vocabulary, a malformed tree) or `no_draft`.
 
-        A tree for a sampled sequence becomes its first-child chain (rejection sampling
-        checks chains). A tree keeps its nodes up to depth k and as many as the cache
-        slot has room for (breadth first, so a prefix)."""
+        A tree keeps its nodes up to depth k and as many as the cache slot has room for
+        (breadth first, so a prefix); its probabilities, if a proposer sent any, are not
+        used (a tree's drafts count as one-hot q, `sample_accept_tree`)."""
         if proposal.resync:
             seq.synced_len[method] = 0
             self.stats.num_resyncs += 1
@@ -781,8 +782,6 @@ class Engine:
                 logger.warning("proposer %s returned a malformed token tree (%s); ignoring the draft", method, exc)
                 return None, None, "proposer_failed"
             drafts, parents = drafts[:n], parents[:n]
-            if not seq.params.greedy:
-                drafts, parents = _chain_of(drafts, parents), None
         else:
             drafts = drafts[: request.k]
         vocab = self.model.config.vocab_size
@@ -830,7 +829,13 @@ class Engine:
             k = w.draft_token_ids.size
             p = w.seq.params
             if w.draft_parents is not None:  # a token tree: the drafts of the accepted path
-                accepted, emitted = greedy_accept_tree(argmax[row : row + k + 1], w.draft_token_ids, w.draft_parents)
+                if p.greedy:
+                    accepted, emitted = greedy_accept_tree(argmax[row : row + k + 1], w.draft_token_ids,
+                                                           w.draft_parents)
+                else:
+                    probs = logits_to_probs(logits[row : row + k + 1], p.temperature, p.top_k, p.top_p)
+                    accepted, emitted = sample_accept_tree(probs, w.draft_token_ids, w.draft_parents.tolist(),
+                                                           w.seq.generator)
             else:
                 if p.greedy:
                     num_accepted, emitted = greedy_accept(argmax[row : row + k + 1], w.draft_token_ids)

@@ -103,15 +103,22 @@ def rejection_sample(
             weights = (row - draft_probs[num_accepted]).clamp_min(0.0)
     else:
         weights = row  # bonus token from p_k
-    cdf = torch.cumsum(weights, dim=0, dtype=torch.float64)  # [V]
-    total = float(cdf[-1])
-    if not total > 0:
-        # sum max(0, p - q) = TV(p, q) > 0 whenever a rejection can happen; it is 0 only when
-        # p == q up to rounding, and then p itself is the right distribution.
-        cdf = torch.cumsum(row, dim=0, dtype=torch.float64)
-        total = float(cdf[-1])
-    token = int(torch.searchsorted(cdf, uniform[num_drafts] * total, right=True))
+    token = draw(weights, row, uniform[num_drafts])
     output = np.empty(num_accepted + 1, dtype=np.int32)
     output[:num_accepted] = draft_token_ids[:num_accepted]
     output[num_accepted] = token
     return num_accepted, output
+
+
+def draw(weights: torch.Tensor, row: torch.Tensor, u: float) -> int:
+    """The token at `u` (a float32 uniform) of the inverse CDF of `weights` (float32 [V],
+    unnormalised): the first j with cumsum(w)_j > u * sum(w), cumsum in float64, so that
+    zero-weight tokens are never drawn. `weights` of sum 0 (a residual max(0, p - q) that
+    rounding emptied: it is 0 only when p == q up to rounding) draw from `row`, p itself,
+    then the right distribution."""
+    cdf = torch.cumsum(weights, dim=0, dtype=torch.float64)  # [V]
+    total = float(cdf[-1])
+    if not total > 0:
+        cdf = torch.cumsum(row, dim=0, dtype=torch.float64)
+        total = float(cdf[-1])
+    return int(torch.searchsorted(cdf, u * total, right=True))

@@ -7,7 +7,9 @@ proposer's best chain. The verifier runs root + drafts in one pass (`LlamaModel.
 with `trees`: each node at the position of its depth, attending its ancestors only), then
 walks from the root to the child matching its own argmax, and on (`greedy_accept_tree`).
 A greedy output stays exactly the target's: every emitted token is an argmax of the
-target given the tokens before it, as in a chain. Sampled requests use chains.
+target given the tokens before it, as in a chain. A sampled request's walk tests the
+children one after another against what is left of the target's distribution
+(`sample_accept_tree`), so its output follows the target's distribution exactly too.
 
 Example: drafts [a, b, a2, b2] with parents [-1, -1, 0, 1] are the two best next tokens,
 each with its best continuation; if the target picks b and then b2, two drafts are
@@ -20,6 +22,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+from verifier.rejection_sampler import draw
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:
@@ -111,3 +115,74 @@ def greedy_accept_tree(target_token_ids: Sequence[int] | np.ndarray, draft_token
         node = nxt
     out = [int(draft_token_ids[i]) for i in path] + [int(target[node + 1])]
     return path, np.asarray(out, dtype=np.int32)
+
+
+def sample_accept_tree(target_probs: torch.Tensor, draft_token_ids: np.ndarray, parents: Sequence[int],
+                       generator: torch.Generator | None) -> tuple[list[int], np.ndarray]:
+    """Speculative sampling over a token tree: (accepted path, output token ids).
+
+    `target_probs`: float32 [n + 1, V], the target's processed distribution after the root
+    (row 0) and after each draft (row i + 1), rows summing to 1; `generator`: the request's
+    seeded generator (one call draws n + 1 float32 uniforms, as `rejection_sample` does).
+
+    The drafts count as one-hot q, whatever chose them (a proposer's top candidates). At a
+    node whose row is p and whose children carry tokens t_1, t_2, ... in order, child j is
+    accepted with probability r(t_j) / sum(r), r being p with the tokens of the children
+    rejected before it zeroed (a token repeated among siblings is never accepted twice);
+    the walk then goes on from that child's row. When every child is rejected, or the node
+    has none (the bonus after a leaf), the next token is drawn from r and the round ends.
+    So the token emitted after the node is t_j with probability p(t_j) (the product
+    (1 - p(t_1)) ... (1 - sum_{i<j} p(t_i)) / ... telescopes: each factor is the chance of
+    reaching t_j times r(t_j) / sum(r)), and any other token x with (1 - sum_j p(t_j)) *
+    p(x) / (1 - sum_j p(t_j)) = p(x): exactly p, as SpecInfer's multi-candidate rule with
+    one-hot drafts. Given the token, what follows is drawn from the target's row after it,
+    so by induction the output follows the target's distribution. Acceptance at a node is
+    the target's mass on its children's tokens (a chain's one-hot draft: on one token).
+
+    Drafts [0, 2, 1] with parents [-1, -1, 1]: the root's children are 0 and 2, and 2 has
+    child 1. The target's row 0 puts nothing on 0 and everything on 2; its row after 2 (row
+    2) everything on 1, its row after that leaf (row 3) everything on 2:
+
+    >>> p = torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    >>> sample_accept_tree(p, np.array([0, 2, 1], np.int32), [-1, -1, 1], torch.Generator().manual_seed(0))
+    ([1, 2], array([2, 1, 2], dtype=int32))
+    """
+    n = len(draft_token_ids)
+    assert target_probs.shape[0] == n + 1, f"{target_probs.shape=} {n=}"
+    assert target_probs.dtype == torch.float32, f"{target_probs.dtype=}"
+    tokens = np.asarray(draft_token_ids).tolist()
+    uniform = torch.rand(n + 1, generator=generator, device=target_probs.device, dtype=torch.float32).tolist()
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(int(p), []).append(i)
+    path: list[int] = []
+    node, used = -1, 0
+    while True:
+        row = target_probs[node + 1]
+        kids = children.get(node, [])
+        rejected: list[int] = []
+        if kids:
+            p_kids = row.take(torch.tensor([tokens[i] for i in kids], device=row.device)).tolist()
+            mass = float(row.sum(dtype=torch.float64))  # 1 up to rounding
+            accepted = None
+            for i, pk in zip(kids, p_kids):
+                if tokens[i] in rejected:
+                    continue  # no mass left on it
+                u = uniform[used]
+                used += 1
+                if u * mass < pk:  # u < r(t) / sum(r), without a division
+                    accepted = i
+                    break
+                mass -= pk
+                rejected.append(tokens[i])
+            if accepted is not None:
+                path.append(accepted)
+                node = accepted
+                continue
+        weights = row
+        if rejected:
+            weights = row.clone()
+            weights[torch.tensor(rejected, device=row.device)] = 0.0
+        token = draw(weights, row, uniform[n])
+        out = [tokens[i] for i in path] + [token]
+        return path, np.asarray(out, dtype=np.int32)

@@ -12,6 +12,7 @@ the whole context with a fresh cache, never from the proposer.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -271,3 +272,68 @@ def test_sampled_engine_with_draft_probabilities_accepts_what_theory_says(model,
     accepted = sum(r.stats.accepted for r in results)
     assert all(len(r.token_ids) == 21 for r in results)
     assert accepted / drafted > 0.8, (accepted, drafted)
+
+
+@pytest.mark.slow
+def test_sampled_token_trees_follow_the_targets_distribution(model, tokenizer, vocab):
+    """768 requests of 3 tokens at temperature 0.8 after "My favourite colour is", the
+    target itself drafting trees of its 3 best next tokens (depth 1: the 2 tokens left
+    after the prefill's allow one draft position). The first token comes from the
+    prefill; the round after it verifies the 3 children with `sample_accept_tree`, which
+    emits a child and the bonus from that child's row, or a token of the residual.
+
+    - The first two tokens follow p(t1) p(t2 | t1) (`_p_after`: the model over the whole
+      context on a fresh cache), in 10 categories: t1 among p's 3 most likely, t2 among
+      p(. | t1)'s 3, and "other". Bound of tests/verifier/test_rejection_sampler.py:
+      0.5 sqrt(10 / 768) + sqrt(ln(1000) / 1536) = 0.124.
+    - Given the most frequent first two tokens, the third (the bonus of an accepted child,
+      read from that child's row of the tree pass) follows p(. | t1 t2) in 11 categories.
+    """
+    temperature, n_batches, batch = 0.8, 24, 32
+    prompt = tokenizer.encode("My favourite colour is")
+    draft = DraftModelProposer(model, vocab, DraftModelConfig(max_num_seqs=batch, max_model_len=64, tree=(3,)))
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=batch, max_model_len=64), {"draft": draft},
+                    Controller.static(1, ("draft",)))
+    outs = []
+    for b in range(n_batches):
+        params = [SamplingParams(max_tokens=3, temperature=temperature, seed=1000 + b * batch + i, ignore_eos=True)
+                  for i in range(batch)]
+        results = engine.generate_sync([prompt] * batch, params)
+        assert all(len(r.token_ids) == 3 for r in results)
+        outs += [tuple(r.token_ids) for r in results]
+    accepted = sum(1 for r in results if r.stats.accepted)  # the last batch: trees were verified
+    assert accepted > 0
+
+    def p_after(context):
+        return logits_to_probs(_last_logits(model, context), temperature, 0, 1.0)[0].numpy().astype(np.float64)
+
+    n = len(outs)
+    p1 = p_after(prompt)
+    firsts = np.argsort(-p1)[:3].tolist()
+    after = {t: p_after(prompt + [t]) for t in firsts}
+    joint = {(t, u): p1[t] * after[t][u] for t in firsts for u in np.argsort(-after[t])[:3].tolist()}
+    want = np.append(list(joint.values()), 1.0 - sum(joint.values()))
+    got = np.bincount([list(joint).index(o[:2]) if o[:2] in joint else len(joint) for o in outs],
+                      minlength=len(joint) + 1) / n
+    bound = 0.5 * math.sqrt(len(want) / n) + math.sqrt(math.log(1000) / (2 * n))
+    assert bound == pytest.approx(0.124, abs=1e-3)
+    assert 0.5 * np.abs(got - want).sum() <= bound, (got, want)
+
+    pair = collections.Counter(o[:2] for o in outs).most_common(1)[0][0]
+    thirds = [o[2] for o in outs if o[:2] == pair]
+    p3 = p_after(prompt + list(pair))
+    top = np.argsort(-p3)[:10].tolist()
+    got3 = np.bincount([top.index(t) if t in top else 10 for t in thirds], minlength=11) / len(thirds)
+    want3 = np.append(p3[top], 1.0 - p3[top].sum())
+    bound3 = 0.5 * math.sqrt(11 / len(thirds)) + math.sqrt(math.log(1000) / (2 * len(thirds)))
+    assert len(thirds) >= 40 and 0.5 * np.abs(got3 - want3).sum() <= bound3, (len(thirds), got3, want3)
+    # The test can fail: a bonus read from the root's row (the one before the accepted
+    # child) would follow p(. | t1) instead, far from p(. | t1 t2).
+    p2 = p_after(prompt + [pair[0]])
+    assert 0.5 * np.abs(np.append(p2[top], 1.0 - p2[top].sum()) - want3).sum() > bound3
+
+
+def _last_logits(model, context: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, len(context) + 1)
+    slot = cache.allocate()
+    return model.forward(torch.tensor(context), [slot], [len(context)], cache, torch.tensor([len(context) - 1]))

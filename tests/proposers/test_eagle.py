@@ -285,7 +285,7 @@ def test_a_tree_holds_each_nodes_top_candidates_and_the_chain(tiny_eagle, model,
     """With `tree` (3, 2) at k = 3 the proposer drafts 3 + 6 + 6 nodes breadth first; every
     node's children are the top candidates of the head recomputed from scratch over the
     context and that node's path (its own f^ fed back), in order; the first-child chain is
-    what a chain request drafts; a sampled request gets a chain."""
+    what a chain request drafts; a sampled request gets the same tree."""
     net, vocab_ids = _reference_net(model, tiny_eagle[0])
     context = load_prompts("chat", tokenizer)[2]
     feats = _features(model, context)[:-1]
@@ -311,8 +311,11 @@ def test_a_tree_holds_each_nodes_top_candidates_and_the_chain(tiny_eagle, model,
     chain = EagleProposer(load_eagle(tiny_eagle[0], model, vocab), vocab, DraftModelConfig(max_k=4))
     (c,) = chain.propose_sync([ProposalRequest("s", 0, np.asarray(context, np.int32), 3, 0.0, feats)])
     assert c.draft_parents is None and c.draft_token_ids.tolist() == [drafts[0], drafts[3], drafts[9]]
+    # A sampled request gets the same tree (its nodes are the top candidates, whatever the
+    # temperature), without probabilities: the verifier counts a tree's drafts as one-hot.
     (q,) = tree.propose_sync([ProposalRequest("t", 0, np.asarray(context, np.int32), 3, 0.8, feats)])
-    assert q.draft_parents is None and q.draft_token_ids.size == 3 and q.draft_probs.shape[0] == 3
+    assert q.draft_parents.tolist() == p.draft_parents.tolist() and q.draft_token_ids.tolist() == drafts
+    assert q.draft_probs is None
 
 
 def test_tree_shapes_are_checked():
