@@ -20,7 +20,7 @@ def paired_ratio(row: dict, base: dict) -> float | None:
     """The median over repeats of `row`'s tok/s over `base`'s in the same repeat, or None
     without per-repeat figures of equal count (`output_tokens_per_s_by_repeat`).
 
-    Repeat r of every mode of a (workload, concurrency) ran in one rotation, back to back,
+    Repeat r of every mode of a (workload, concurrency) ran in one pass over the modes,
     so the machine's pace, which drifts between repeats by more than the modes differ,
     divides out of each repeat's ratio; the ratio of the medians keeps it.
 

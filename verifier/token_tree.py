@@ -170,7 +170,7 @@ def sample_accept_tree(target_probs: torch.Tensor, draft_token_ids: np.ndarray, 
                     continue  # no mass left on it
                 u = uniform[used]
                 used += 1
-                if u * mass < pk:  # u < r(t) / sum(r), without a division
+                if pk > 0 and u * mass < pk:  # u < r(t) / sum(r), without a division (and never p = 0)
                     accepted = i
                     break
                 mass -= pk
