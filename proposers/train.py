@@ -110,6 +110,12 @@ class TrainDraftConfig:
     #: Read and extend the repo's cache of the bundled target's answers (`ANSWERS_PATH`);
     #: off, or for another target, every answer is generated.
     answer_cache: bool = True
+    #: Distil the target's distribution, not only its token (as EAGLE's classification loss
+    #: does): the loss at each labelled position is the cross-entropy against the target's
+    #: probabilities of its `distil_top` likeliest tokens of the vocabulary subset (softmax
+    #: over the subset, renormalised over those), from one target pass over the corpus
+    #: (`target_features`); 0: the target's token alone.
+    distil_top: int = 0
 
     def __post_init__(self) -> None:
         if not self.init_layers:
@@ -122,6 +128,8 @@ class TrainDraftConfig:
                      "eval_sequences", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.distil_top <= self.vocab_subset:
+            raise ValueError(f"distil_top must be in [0, vocab_subset = {self.vocab_subset}], got {self.distil_top}")
 
 
 # ---------------------------------------------------------------------------- corpus
@@ -634,6 +642,46 @@ def length_groups(lengths: list[int], tokens_per_step: int, rng: np.random.Gener
             yield groups[g]
 
 
+@torch.inference_mode()
+def target_features(model: LlamaModel, seqs: list[tuple[list[int], list[int]]], progress=None,
+                    hidden_layers: tuple[int, ...] | None = None, soft: tuple[torch.Tensor, int] | None = None
+                    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The target's final hidden states (bfloat16 [len, hidden]) of every position of each
+    sequence; with `hidden_layers`, the states entering those layers ([len, n * hidden]).
+
+    `soft` = (the LM-head rows of the vocabulary subset [S, hidden], K): also each
+    position's soft label (`soft_labels`), as a second list."""
+    cache = model.new_cache(1, max(len(x) for x, _ in seqs))
+    H = model.config.hidden_size
+    layers = None if hidden_layers is None else tuple(hidden_layers) + ((len(model.layers),) if soft else ())
+    out, labels = [], []
+    for ids, _ in seqs:
+        slot = cache.allocate()
+        last = torch.tensor([len(ids) - 1])
+        _, hidden = model.forward(torch.tensor(ids, dtype=torch.int64), [slot], [len(ids)], cache, last,
+                                  hidden_index=torch.arange(len(ids)), hidden_layers=layers)
+        if soft is not None:
+            if hidden_layers is None:
+                final = hidden
+            else:  # the last layer's output, before the final norm
+                hidden, final = hidden[:, :-H], F.rms_norm(hidden[:, -H:].float(), (H,), model.final_norm.float(),
+                                                           model.config.rms_norm_eps)
+            labels.append(soft_labels(final.float() @ soft[0].t(), soft[1]))
+        out.append(hidden.to(torch.bfloat16))
+        cache.free(slot)
+        if progress is not None:
+            progress(1)
+    return out if soft is None else (out, labels)
+
+
+def soft_labels(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's soft label at each position from its logits over the vocabulary subset
+    [n, S]: (the subset columns of its k likeliest tokens, int16 [n, k]; their probabilities
+    under the softmax over the subset, renormalised over the k, float16 [n, k])."""
+    top, cols = logits.float().topk(k, dim=-1)
+    return cols.to(torch.int16), torch.softmax(top, dim=-1).to(torch.float16)
+
+
 def _pad(seqs, group, remap) -> tuple[torch.Tensor, torch.Tensor]:
     L = max(len(seqs[j][0]) for j in group)
     ids = np.zeros((len(group), L), np.int64)
@@ -645,6 +693,36 @@ def _pad(seqs, group, remap) -> tuple[torch.Tensor, torch.Tensor]:
         mapped = np.where(y >= 0, remap[np.maximum(y, 0)], -100)
         labels[r, : len(y)] = mapped
     return torch.from_numpy(ids), torch.from_numpy(labels)
+
+
+def _pad_soft(soft, group, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The soft labels (`soft_labels`) of `group`'s sequences padded as `_pad` pads them:
+    (columns int64 [B, L, K], probabilities [B, L, K]); position t's is its label's."""
+    K = soft[group[0]][0].shape[1]
+    cols = torch.zeros(len(group), length, K, dtype=torch.int64)
+    p = torch.zeros(len(group), length, K)
+    for r, j in enumerate(group):
+        c, q = soft[j]
+        cols[r, : c.shape[0]], p[r, : c.shape[0]] = c.long(), q.float()
+    return cols, p
+
+
+def _soft_labels_of(target: LlamaModel, seqs, vocab_ids: np.ndarray, k: int, out: pathlib.Path, resume: bool,
+                    log=print) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each sequence's soft labels (`soft_labels`): one target pass per sequence, saved as
+    OUT/soft_labels.pt, which `resume` reuses when its subset and k are these."""
+    path = out / "soft_labels.pt"
+    if resume and path.is_file():
+        saved = torch.load(path, weights_only=False)
+        if saved["k"] == k and np.array_equal(saved["vocab_ids"], vocab_ids) and len(saved["labels"]) == len(seqs):
+            log(f"soft labels: reused {path.name}")
+            return saved["labels"]
+    bar = _Progress(len(seqs), "target soft labels", log)
+    head = target.lm_head.float()[torch.from_numpy(vocab_ids).long()]
+    _, labels = target_features(target, seqs, bar.update, soft=(head, k))
+    bar.close()
+    torch.save({"k": k, "vocab_ids": vocab_ids, "labels": labels}, path)
+    return labels
 
 
 @torch.no_grad()
@@ -834,17 +912,24 @@ def train_draft(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
                                               tokenizer.eos_token_ids)
     log(f"vocabulary subset: {vocab_ids.size} ids cover {coverage:.4f} of the training labels")
     net = DraftNet(target, cfg.init_layers, vocab_ids)
+    soft = _soft_labels_of(target, corpus.train, vocab_ids, cfg.distil_top, out, resume, log) if cfg.distil_top else None
 
     def batch_loss(batch) -> torch.Tensor:
-        ids, y = batch
+        ids, y, labels = batch
         mask = y != -100
-        return F.cross_entropy(net(ids)[mask] @ net.head.t(), y[mask])
+        logits = net(ids)[mask] @ net.head.t()
+        if labels is None:
+            return F.cross_entropy(logits, y[mask])
+        cols, p = labels
+        return -(p[mask] * F.log_softmax(logits, dim=-1).gather(1, cols[mask])).sum(-1).mean()
 
     def batches_from(step: int):
         # A resumed run draws a fresh, still deterministic, order.
         rng = np.random.default_rng(cfg.seed + 1 + step)
         lengths = [len(x) for x, _ in corpus.train]
-        return (_pad(corpus.train, g, remap) for g in length_groups(lengths, cfg.tokens_per_step, rng))
+        for g in length_groups(lengths, cfg.tokens_per_step, rng):
+            ids, y = _pad(corpus.train, g, remap)
+            yield ids, y, None if soft is None else _pad_soft(soft, g, ids.shape[1])
 
     history, train_s = fit(net, cfg, out, batch_loss, batches_from,
                            lambda: agreement(net, corpus.held_out, remap), resume, log)

@@ -12,7 +12,9 @@ by the target), read from a `corpus.pt` it wrote (`--corpus`) or built afresh. T
    projections zeroed, and `fc` starts as "pass the feature through", so the untrained head
    predicts f^_{t+1} = f_t.
 4. **Training** (EAGLE's objective): smooth-L1 between f^_{t+1} and the target's f_{t+1}
-   plus `cls_weight` x cross-entropy of the LM-head rows on the target's next token, with
+   plus `cls_weight` x cross-entropy of the LM-head rows on the target's next token (with
+   `distil_top` K, on the target's probabilities of its K likeliest subset tokens, taken
+   in the features' pass), with
    uniform noise of `feature_noise` on the input features; AdamW, warm-up + cosine,
    clipping, checkpoints, `--resume`.
    **Training-time test** (as in HASS and EAGLE-3): drafting feeds the head its own f^
@@ -50,8 +52,8 @@ from torch import nn
 
 from proposers.eagle import eagle3_aux_layers
 from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _figures, _Layer, _Progress, fit, length_groups,
-                             load_or_build_corpus, register_target_buffers, round_to_bfloat16, vocab_subset,
-                             write_outputs)
+                             load_or_build_corpus, register_target_buffers, round_to_bfloat16, target_features,
+                             vocab_subset, write_outputs)
 from verifier.models.llama import LlamaModel, dense, rotate_half
 from verifier.models.tokenizer import Tokenizer
 
@@ -88,25 +90,6 @@ class TrainEagleConfig(TrainDraftConfig):
             raise ValueError(f"unroll must be >= 1, got {self.unroll}")
         if not 0 < self.unroll_decay <= 1:
             raise ValueError(f"unroll_decay must be in (0, 1], got {self.unroll_decay}")
-
-
-@torch.inference_mode()
-def target_features(model: LlamaModel, seqs: list[tuple[list[int], list[int]]], progress=None,
-                    hidden_layers: tuple[int, ...] | None = None) -> list[torch.Tensor]:
-    """The target's final hidden states (bfloat16 [len, hidden]) of every position of each
-    sequence; with `hidden_layers`, the states entering those layers ([len, n * hidden])."""
-    cache = model.new_cache(1, max(len(x) for x, _ in seqs))
-    out = []
-    for ids, _ in seqs:
-        slot = cache.allocate()
-        last = torch.tensor([len(ids) - 1])
-        _, hidden = model.forward(torch.tensor(ids, dtype=torch.int64), [slot], [len(ids)], cache, last,
-                                  hidden_index=torch.arange(len(ids)), hidden_layers=hidden_layers)
-        out.append(hidden.to(torch.bfloat16))
-        cache.free(slot)
-        if progress is not None:
-            progress(1)
-    return out
 
 
 class EagleNet(nn.Module):
@@ -254,10 +237,13 @@ def chain_rows(x: list[int], y: list[int], depth: int) -> tuple[np.ndarray, np.n
     return chain, target, valid
 
 
-def _batch(seqs, feats, group, remap, depth: int = 1):
+def _batch(seqs, feats, group, remap, depth: int = 1, soft=None):
     """Padded rows of `group` (see `chain_rows`): chain [B, L, D], f_t [B, L, H], the real
     features [B, L + D, H] (step j + 1's targets are columns j + 1 .. j + L), labels
-    [B, L, D] (draft columns; -100: none or outside the subset) and valid [B, L, D]."""
+    [B, L, D] (draft columns; -100: none or outside the subset), valid [B, L, D] and, with
+    `soft` (per sequence the `soft_labels` of its positions), the soft labels of step j + 1
+    of row t, those of position t + j + 1: (columns int64 [B, L, D, K], probabilities
+    [B, L, D, K]), else None."""
     L = max(len(seqs[j][0]) for j in group) - 1
     Hd = feats[group[0]].shape[1]
     chain = np.zeros((len(group), L, depth), np.int64)
@@ -265,6 +251,10 @@ def _batch(seqs, feats, group, remap, depth: int = 1):
     valid = np.zeros((len(group), L, depth), bool)
     f_in = torch.zeros(len(group), L, Hd)
     f_real = torch.zeros(len(group), L + depth, Hd)
+    if soft is not None:
+        K = soft[group[0]][0].shape[1]
+        soft_cols = torch.zeros(len(group), L, depth, K, dtype=torch.int64)
+        soft_p = torch.zeros(len(group), L, depth, K)
     for r, j in enumerate(group):
         x, y = seqs[j]
         n = len(x) - 1
@@ -274,7 +264,13 @@ def _batch(seqs, feats, group, remap, depth: int = 1):
         f = feats[j].float()
         f_in[r, :n] = f[:-1]
         f_real[r, : n + 1] = f
-    return torch.from_numpy(chain), f_in, f_real, torch.from_numpy(labels), torch.from_numpy(valid)
+        if soft is not None:
+            cols, p = soft[j]
+            for d in range(depth):  # rows t < n - d have a position t + d + 1
+                soft_cols[r, : n - d, d] = cols[d + 1 : n + 1].long()
+                soft_p[r, : n - d, d] = p[d + 1 : n + 1].float()
+    return (torch.from_numpy(chain), f_in, f_real, torch.from_numpy(labels), torch.from_numpy(valid),
+            None if soft is None else (soft_cols, soft_p))
 
 
 #: Draft length of the held-out mean acceptance length (the benchmark's k).
@@ -290,7 +286,7 @@ def held_out_figures(net: EagleNet | Eagle3Net, seqs, feats, remap, k: int = EVA
     hit = total = 0
     accepted = chains = 0
     for j in range(len(seqs)):
-        chain, f_in, _, labels, valid = _batch(seqs, feats, [j], remap, k)
+        chain, f_in, _, labels, valid, _ = _batch(seqs, feats, [j], remap, k)
         outs = net.unroll(chain, f_in)
         preds = torch.stack([net.logits(o).argmax(-1) for o in outs], dim=-1)[0]  # [L, k]
         match = (preds == labels[0]).numpy()
@@ -314,23 +310,30 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
     corpus = load_or_build_corpus(target, tokenizer, cfg, out, reuse, log, base)
     eagle3 = cfg.arch == "eagle3"
     aux = eagle3_aux_layers({}, target.config.num_layers) if eagle3 else None
-    feats_path = out / "features.pt"
-    t0 = time.perf_counter()
-    if resume and feats_path.is_file():
-        saved = torch.load(feats_path, weights_only=False)
-        train_f, held_f = saved["train"], saved["held_out"]
-    else:
-        bar = _Progress(len(corpus.train) + len(corpus.held_out), "target features", log)
-        train_f = target_features(target, corpus.train, bar.update, aux)
-        held_f = target_features(target, corpus.held_out, bar.update, aux)
-        bar.close()
-        torch.save({"train": train_f, "held_out": held_f}, feats_path)
-    features_s = time.perf_counter() - t0
     vocab_ids, remap, coverage = vocab_subset(corpus, cfg.vocab_subset, target.config.vocab_size,
                                               tokenizer.eos_token_ids)
+    feats_path = out / "features.pt"
+    t0 = time.perf_counter()
+    saved = torch.load(feats_path, weights_only=False) if resume and feats_path.is_file() else None
+    if saved is not None and (saved.get("distil_top", 0) == cfg.distil_top):
+        train_f, held_f, train_soft = saved["train"], saved["held_out"], saved.get("train_soft")
+    else:
+        bar = _Progress(len(corpus.train) + len(corpus.held_out), "target features", log)
+        soft = None
+        if cfg.distil_top:
+            soft = (target.lm_head.float()[torch.from_numpy(vocab_ids).long()], cfg.distil_top)
+            train_f, train_soft = target_features(target, corpus.train, bar.update, aux, soft)
+        else:
+            train_f, train_soft = target_features(target, corpus.train, bar.update, aux), None
+        held_f = target_features(target, corpus.held_out, bar.update, aux)
+        bar.close()
+        torch.save({"train": train_f, "held_out": held_f, "train_soft": train_soft, "distil_top": cfg.distil_top},
+                   feats_path)
+    features_s = time.perf_counter() - t0
     # Sequences of one token have no (input, target) pair.
     keep = [i for i, (x, _) in enumerate(corpus.train) if len(x) >= 2]
     seqs, feats = [corpus.train[i] for i in keep], [train_f[i] for i in keep]
+    soft_of = None if train_soft is None else [train_soft[i] for i in keep]
     net = Eagle3Net(target, cfg.init_layers[0], vocab_ids, aux) if eagle3 else EagleNet(target, cfg.init_layers[0],
                                                                                         vocab_ids)
     if cfg.init_from:
@@ -341,13 +344,13 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
         rng = np.random.default_rng(cfg.seed + 1 + step)
         noise = torch.Generator().manual_seed(cfg.seed + 2 + step)
         for group in length_groups([len(x) for x, _ in seqs], cfg.tokens_per_step, rng):
-            chain, f_in, f_real, labels, valid = _batch(seqs, feats, group, remap, cfg.unroll)
+            chain, f_in, f_real, labels, valid, soft = _batch(seqs, feats, group, remap, cfg.unroll, soft_of)
             if cfg.feature_noise:
                 f_in = f_in + cfg.feature_noise * (2 * torch.rand(f_in.shape, generator=noise) - 1)
-            yield chain, f_in, f_real, labels, valid
+            yield chain, f_in, f_real, labels, valid, soft
 
     def batch_loss(batch) -> torch.Tensor:
-        chain, f_in, f_real, labels, valid = batch
+        chain, f_in, f_real, labels, valid, soft = batch
         L = chain.shape[1]
         loss = torch.zeros(())
         for j, pred in enumerate(net.unroll(chain, f_in)):
@@ -355,7 +358,14 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
             if not ok.any():
                 break
             mask = labels[..., j] != -100
-            ce = F.cross_entropy(net.logits(pred[mask]), labels[..., j][mask]) if mask.any() else torch.zeros(())
+            if not mask.any():
+                ce = torch.zeros(())
+            elif soft is None:
+                ce = F.cross_entropy(net.logits(pred[mask]), labels[..., j][mask])
+            else:
+                log_q = F.log_softmax(net.logits(pred[mask]), dim=-1)
+                cols, p = soft[0][:, :, j][mask], soft[1][:, :, j][mask]
+                ce = -(p * log_q.gather(1, cols)).sum(-1).mean()
             if eagle3:  # tokens only: the head's feature is its own
                 step = ce
             else:

@@ -301,11 +301,61 @@ def tiny_eagle3(tiny_draft, model, tokenizer, tmp_path_factory):
     from tests.proposers.conftest import TINY
 
     cfg = TrainEagleConfig(**{**dataclasses.asdict(TINY), "init_layers": (29,), "steps": 4, "arch": "eagle3",
-                              "corpus": str(tiny_draft[0] / "corpus.pt")})
+                              "corpus": str(tiny_draft[0] / "corpus.pt"), "distil_top": 8})
     out = tmp_path_factory.mktemp("eagle3-trained")
     info = train_eagle(model, tokenizer, out, cfg, base="bundled", command="splitspec train eagle --arch eagle3 (test)",
                        log=lambda *a: None)
     return out, info
+
+
+@pytest.mark.parametrize("hidden_layers", [None, AUX], ids=["eagle1", "eagle3"])
+def test_soft_labels_are_the_targets_probabilities_over_the_subset(model, tokenizer, hidden_layers):
+    """`distil_top`: each position's soft label, against the target's full-vocabulary logits
+    from a plain forward pass (its own LM head and norm): the K likeliest of the subset's
+    columns and their softmax over the subset, renormalised over those K by hand. The
+    features are what they are without soft labels."""
+    from proposers.train_eagle import target_features
+
+    context = load_prompts("chat", tokenizer)[5]
+    rng = np.random.default_rng(0)
+    vocab_ids = np.sort(rng.choice(model.config.vocab_size, 600, replace=False))
+    K = 5
+    head = model.lm_head.float()[torch.from_numpy(vocab_ids)]
+    feats, soft = target_features(model, [(context, [])], hidden_layers=hidden_layers, soft=(head, K))
+    plain = target_features(model, [(context, [])], hidden_layers=hidden_layers)
+    torch.testing.assert_close(feats[0], plain[0], rtol=0, atol=0)
+    cache = model.new_cache(1, len(context))
+    with torch.no_grad():
+        logits = model.forward(torch.tensor(context), [cache.allocate()], [len(context)], cache)
+    sub = logits[:, torch.from_numpy(vocab_ids)].double()
+    p = torch.softmax(sub, dim=-1)
+    cols, probs = soft[0]
+    assert cols.shape == probs.shape == (len(context), K)
+    for t in range(len(context)):
+        want = torch.argsort(p[t], descending=True)[:K]
+        assert cols[t].long().tolist() == want.tolist(), t
+        torch.testing.assert_close(probs[t].double(), p[t, want] / p[t, want].sum(), atol=2e-3, rtol=2e-3)
+
+
+def test_soft_labels_line_up_with_the_corpus_labels(tiny_draft, model, tokenizer):
+    """`_batch`'s soft labels for step j + 1 of row t are position t + j + 1's: wherever a
+    step has a label (the target's own next token, from greedy decoding when the corpus
+    was built) in the subset, the soft label's likeliest column is that label."""
+    from proposers.train import Corpus, vocab_subset
+    from proposers.train_eagle import _batch, target_features
+
+    saved = torch.load(tiny_draft[0] / "corpus.pt", weights_only=False)
+    corpus = Corpus(saved["train"], saved["held_out"], saved["stats"])
+    vocab_ids, remap, _ = vocab_subset(corpus, 600, model.config.vocab_size, tokenizer.eos_token_ids)
+    seqs = [s for s in corpus.train if len(s[0]) >= 2][:4]
+    head = model.lm_head.float()[torch.from_numpy(vocab_ids).long()]
+    feats, soft = target_features(model, seqs, hidden_layers=AUX, soft=(head, 3))
+    *_, labels, valid, (cols, probs) = _batch(seqs, feats, list(range(len(seqs))), remap, 3, soft)
+    has = labels != -100
+    assert has[..., 2].sum() > 10  # third steps with labels
+    assert torch.equal(cols[..., 0][has], labels[has])
+    assert torch.allclose(probs.sum(-1)[has], torch.ones(()), atol=1e-2)
+    assert (probs[..., 0] >= probs[..., 1]).all()
 
 
 @pytest.mark.slow

@@ -226,3 +226,41 @@ def test_resume_continues_from_the_checkpoint(tiny_draft, model, tokenizer, tmp_
     assert any(line.startswith("corpus: reused") for line in lines)
     assert any(line == "resumed at step 4" for line in lines)
     assert [h["step"] for h in info["history"]] == [0, 2, 4, 6]
+
+
+@pytest.mark.slow
+def test_distilling_the_top_one_token_is_training_on_the_targets_token(tiny_draft, model, tokenizer, tmp_path):
+    """`distil_top = 1`: the soft label of a position is all its mass on the target's most
+    likely subset token, which is the corpus's label (its greedy token), so training is the
+    hard-label run's, step for step (same held-out figures); with K = 8 it is not. The soft
+    labels are saved and a resumed run reuses them."""
+    import dataclasses
+
+    corpus = tiny_draft[0] / "corpus.pt"
+    runs = {}
+    for k in (0, 1, 8):
+        out = tmp_path / f"k{k}"
+        out.mkdir()
+        (out / "corpus.pt").write_bytes(corpus.read_bytes())
+        cfg = dataclasses.replace(TINY, distil_top=k)
+        runs[k] = train.train_draft(model, tokenizer, out, cfg, base="bundled", command="test", resume=True,
+                                    log=lambda *a: None)
+    hard, one, eight = ([h.get("loss") for h in runs[k]["history"]] for k in (0, 1, 8))
+    np.testing.assert_allclose(one[1:], hard[1:], rtol=1e-3)
+    assert [h["held_out_agreement"] for h in runs[1]["history"]] == [h["held_out_agreement"]
+                                                                      for h in runs[0]["history"]]
+    assert eight[1:] != pytest.approx(hard[1:], rel=1e-3)
+    saved = torch.load(tmp_path / "k8" / "soft_labels.pt", weights_only=False)
+    assert saved["k"] == 8 and saved["labels"][0][0].shape[1] == 8
+    logs = []
+    (tmp_path / "k8" / "checkpoint.pt").unlink()
+    train.train_draft(model, tokenizer, tmp_path / "k8", dataclasses.replace(TINY, distil_top=8), base="bundled",
+                      command="test", resume=True, log=logs.append)
+    assert "soft labels: reused soft_labels.pt" in logs
+
+
+def test_distil_top_is_checked():
+    with pytest.raises(ValueError, match="distil_top"):
+        train.TrainDraftConfig(distil_top=-1)
+    with pytest.raises(ValueError, match="distil_top"):
+        train.TrainDraftConfig(vocab_subset=16, distil_top=17)
