@@ -570,12 +570,23 @@ class _Layer(nn.Module):
         self.w_down = nn.Parameter(dense(w.w_down).float().clone())
 
 
+def subset_head(target: LlamaModel, vocab_ids: np.ndarray) -> torch.Tensor:
+    """The target's LM-head rows of the vocabulary subset, float32 [S, hidden]: column c of
+    a head or draft under training is target id `vocab_ids[c]`."""
+    return target.lm_head.float()[torch.from_numpy(vocab_ids).long()].contiguous()
+
+
+def soft_cross_entropy(logits: torch.Tensor, cols: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of the cross-entropy of `logits` [N, S] against soft labels
+    (`soft_labels`: columns int64 [N, K], probabilities [N, K])."""
+    return -(p * F.log_softmax(logits, dim=-1).gather(1, cols)).sum(-1).mean()
+
+
 def register_target_buffers(net: nn.Module, target: LlamaModel, vocab_ids: np.ndarray) -> None:
     """The frozen tensors a head or draft under training reads from the target (float32, not
     saved with it): `embed`, `head` (the LM-head rows of the vocabulary subset), `cos`, `sin`."""
     net.register_buffer("embed", target.embed.float(), persistent=False)
-    net.register_buffer("head", target.lm_head.float()[torch.from_numpy(vocab_ids).long()].contiguous(),
-                        persistent=False)
+    net.register_buffer("head", subset_head(target, vocab_ids), persistent=False)
     net.register_buffer("cos", target._cos.float(), persistent=False)
     net.register_buffer("sin", target._sin.float(), persistent=False)
 
@@ -718,8 +729,7 @@ def _soft_labels_of(target: LlamaModel, seqs, vocab_ids: np.ndarray, k: int, out
             log(f"soft labels: reused {path.name}")
             return saved["labels"]
     bar = _Progress(len(seqs), "target soft labels", log)
-    head = target.lm_head.float()[torch.from_numpy(vocab_ids).long()]
-    _, labels = target_features(target, seqs, bar.update, soft=(head, k))
+    _, labels = target_features(target, seqs, bar.update, soft=(subset_head(target, vocab_ids), k))
     bar.close()
     torch.save({"k": k, "vocab_ids": vocab_ids, "labels": labels}, path)
     return labels
@@ -921,7 +931,7 @@ def train_draft(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
         if labels is None:
             return F.cross_entropy(logits, y[mask])
         cols, p = labels
-        return -(p[mask] * F.log_softmax(logits, dim=-1).gather(1, cols[mask])).sum(-1).mean()
+        return soft_cross_entropy(logits, cols[mask], p[mask])
 
     def batches_from(step: int):
         # A resumed run draws a fresh, still deterministic, order.

@@ -52,8 +52,8 @@ from torch import nn
 
 from proposers.eagle import eagle3_aux_layers
 from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _figures, _Layer, _Progress, fit, length_groups,
-                             load_or_build_corpus, register_target_buffers, round_to_bfloat16, target_features,
-                             vocab_subset, write_outputs)
+                             load_or_build_corpus, register_target_buffers, round_to_bfloat16, soft_cross_entropy,
+                             subset_head, target_features, vocab_subset, write_outputs)
 from verifier.models.llama import LlamaModel, dense, rotate_half
 from verifier.models.tokenizer import Tokenizer
 
@@ -321,7 +321,7 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
         bar = _Progress(len(corpus.train) + len(corpus.held_out), "target features", log)
         soft = None
         if cfg.distil_top:
-            soft = (target.lm_head.float()[torch.from_numpy(vocab_ids).long()], cfg.distil_top)
+            soft = (subset_head(target, vocab_ids), cfg.distil_top)
             train_f, train_soft = target_features(target, corpus.train, bar.update, aux, soft)
         else:
             train_f, train_soft = target_features(target, corpus.train, bar.update, aux), None
@@ -363,9 +363,7 @@ def train_eagle(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
             elif soft is None:
                 ce = F.cross_entropy(net.logits(pred[mask]), labels[..., j][mask])
             else:
-                log_q = F.log_softmax(net.logits(pred[mask]), dim=-1)
-                cols, p = soft[0][:, :, j][mask], soft[1][:, :, j][mask]
-                ce = -(p * log_q.gather(1, cols)).sum(-1).mean()
+                ce = soft_cross_entropy(net.logits(pred[mask]), soft[0][:, :, j][mask], soft[1][:, :, j][mask])
             if eagle3:  # tokens only: the head's feature is its own
                 step = ce
             else:
