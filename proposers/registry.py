@@ -78,14 +78,15 @@ def _draft(options: dict[str, Any]) -> ProposalSource:
 
 def _eagle(options: dict[str, Any]) -> ProposalSource:
     """Options: `path` (an EAGLE head directory: config.json + *.safetensors, the published
-    EAGLE-1 or EAGLE-3 layout or one written by `splitspec train eagle`; default the head trained for
-    the bundled model, committed under `proposers/assets/`), `base` (the target; default the
+    EAGLE-1 or EAGLE-3 layout or one written by `splitspec train eagle`; default the EAGLE-3
+    head trained for the bundled model, committed under `proposers/assets/`, which drafts
+    better than the EAGLE-1 head beside it at the same cost), `base` (the target; default the
     bundled model), `tokenizer`, `dtype`, and the fields of `DraftModelConfig`."""
     import torch
 
     from proposers.draft_model import DraftModelConfig
     from proposers.eagle import EagleProposer, load_eagle
-    from proposers.train import BUNDLED_EAGLE_DIR
+    from proposers.train import DEFAULT_EAGLE_DIR
     from verifier.errors import ModelLoadError
     from verifier.models.loader import DTYPES, load_model_and_tokenizer
     from verifier.models.vocab import VocabFingerprint
@@ -95,10 +96,10 @@ def _eagle(options: dict[str, Any]) -> ProposalSource:
     tokenizer_dir, dtype = options.pop("tokenizer", None), options.pop("dtype", "float32")
     config = DraftModelConfig(**options)
     if path is None:
-        if not (BUNDLED_EAGLE_DIR / "config.json").is_file():
-            raise ModelLoadError(f"no trained EAGLE head in {BUNDLED_EAGLE_DIR}: run `splitspec train eagle`, "
-                                 f"or set the eagle proposer's `path`")
-        path = BUNDLED_EAGLE_DIR
+        if not (DEFAULT_EAGLE_DIR / "config.json").is_file():
+            raise ModelLoadError(f"no trained EAGLE head in {DEFAULT_EAGLE_DIR}: run `splitspec train eagle "
+                                 f"--arch eagle3`, or set the eagle proposer's `path`")
+        path = DEFAULT_EAGLE_DIR
     target, tokenizer = load_model_and_tokenizer(base, tokenizer_dir, "float32")
     vocab = VocabFingerprint.of(tokenizer)
     return EagleProposer(load_eagle(path, target, vocab, DTYPES.get(dtype, torch.float32)), vocab, config)
@@ -114,11 +115,11 @@ def hidden_state_layers(method: str, options: dict[str, Any] | None, target_laye
     """Which target states a configured proposer reads (`Info.hidden_state_layers`): None
     for the final ones or for a method that reads none; an EAGLE-3 head's layers."""
     from proposers.eagle import head_hidden_state_layers
-    from proposers.train import BUNDLED_EAGLE_DIR
+    from proposers.train import DEFAULT_EAGLE_DIR
 
     if method != "eagle":
         return None
-    path = resolve_path((options or {}).get("path")) or BUNDLED_EAGLE_DIR
+    path = resolve_path((options or {}).get("path")) or DEFAULT_EAGLE_DIR
     return head_hidden_state_layers(path, target_layers)
 #: Methods whose proposers draft token trees (option `tree`, `DraftModelConfig.tree`).
 DRAFTS_TREES = frozenset({"draft", "eagle"})

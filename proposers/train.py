@@ -68,9 +68,14 @@ PROMPTS_PATH = pathlib.Path(__file__).parent / "data" / "train_prompts.jsonl"
 #: Where `splitspec train draft` writes by default, and where the draft proposer looks for
 #: the draft trained for the bundled model.
 BUNDLED_DRAFT_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-draft"
+#: Where `splitspec train eagle` writes an EAGLE-1 head by default (the committed one's).
 BUNDLED_EAGLE_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-eagle"
-#: Where `splitspec train eagle --arch eagle3` writes by default (not the committed EAGLE-1 head's).
+#: Where `splitspec train eagle --arch eagle3` writes by default (the committed EAGLE-3 head's).
 BUNDLED_EAGLE3_DIR = pathlib.Path(__file__).parent / "assets" / "smollm2-135m-eagle3"
+#: The head the eagle proposer loads without a `path`: the EAGLE-3 one, which drafts better
+#: on every workload of the benchmark at the EAGLE-1 head's cost per call (README, "Training
+#: proposers").
+DEFAULT_EAGLE_DIR = BUNDLED_EAGLE3_DIR
 CONFIG_FILE, WEIGHTS_FILE, INFO_FILE = "config.json", "model.safetensors", "train_info.json"
 #: The bundled target's greedy answers to the training prompts (`AnswerCache`), kept in the repo.
 ANSWERS_PATH = pathlib.Path(__file__).parent / "data" / "target_answers.jsonl.gz"
@@ -116,6 +121,12 @@ class TrainDraftConfig:
     #: over the subset, renormalised over those), from one target pass over the corpus
     #: (`target_features`); 0: the target's token alone.
     distil_top: int = 0
+    #: A proposer trained before by this recipe (for the draft: a `splitspec train draft`
+    #: output with as many layers as `init_layers`; for EAGLE: a head, e.g. the committed
+    #: one) whose weights the training starts from, instead of the target's layers: more
+    #: training of a proposer whose checkpoint is gone, with a fresh optimiser and
+    #: learning-rate schedule.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if not self.init_layers:
@@ -922,6 +933,9 @@ def train_draft(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
                                               tokenizer.eos_token_ids)
     log(f"vocabulary subset: {vocab_ids.size} ids cover {coverage:.4f} of the training labels")
     net = DraftNet(target, cfg.init_layers, vocab_ids)
+    if cfg.init_from:
+        start_draft_from(net, cfg.init_from, target, tokenizer)
+        log(f"starting from the draft in {cfg.init_from}")
     soft = _soft_labels_of(target, corpus.train, vocab_ids, cfg.distil_top, out, resume, log) if cfg.distil_top else None
 
     def batch_loss(batch) -> torch.Tensor:
@@ -955,6 +969,27 @@ def train_draft(target: LlamaModel, tokenizer: Tokenizer, out_dir: str | pathlib
                   {"kind": "draft", "embeddings": "target", "base_model": base, "vocab_subset": int(vocab_ids.size)},
                   info, log)
     return info
+
+
+def start_draft_from(net: DraftNet, path: str | pathlib.Path, target: LlamaModel, tokenizer: Tokenizer) -> None:
+    """Set `net`'s trained weights (its layers and final norm) to the draft in `path`, loaded
+    and checked as the proposer loads it (`load_trained_draft`: sha256, vocabulary, sizes).
+    The LM-head rows are not taken: they are the target's, for this corpus's subset."""
+    from proposers.draft_model import load_trained_draft
+    from verifier.models.vocab import VocabFingerprint
+
+    draft, _ = load_trained_draft(path, target, VocabFingerprint.of(tokenizer))
+    if len(draft.layers) != len(net.layers):
+        raise ValueError(f"{path}: a draft of {len(draft.layers)} layers cannot start one of {len(net.layers)} "
+                         f"(init_layers)")
+    with torch.no_grad():
+        for mine, theirs in zip(net.layers, draft.layers):
+            saved = dict(_Layer(theirs).named_parameters())
+            if saved.keys() != dict(mine.named_parameters()).keys():
+                raise ValueError(f"{path}: the draft's q/k/v biases do not match the target layers'")
+            for name, value in mine.named_parameters():
+                value.copy_(saved[name])
+        net.norm.copy_(draft.final_norm.float())
 
 
 def save_draft(net: DraftNet, vocab_ids: np.ndarray, out: pathlib.Path) -> None:

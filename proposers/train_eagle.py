@@ -71,10 +71,6 @@ class TrainEagleConfig(TrainDraftConfig):
     #: features only); step j's loss is weighted unroll_decay ** (j - 1).
     unroll: int = 3
     unroll_decay: float = 0.8
-    #: An EAGLE head directory (e.g. the committed one) whose `fc` and layer the training
-    #: starts from, instead of the target's layer `init_layers[0]`: more training of a head
-    #: whose checkpoint is gone, with a fresh optimiser and learning-rate schedule.
-    init_from: str | None = None
     #: "eagle1": the head reads the target's final states and regresses the next one (the
     #: layout above); "eagle3": it reads the states entering layers 2, L // 2 and L - 3 and
     #: trains on tokens only, written in the published EAGLE-3 layout.

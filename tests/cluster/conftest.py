@@ -145,8 +145,9 @@ def autoscale_app(serve_cluster) -> ServedApp:
 
 @pytest.fixture(scope="session")
 def model_proposers_app(serve_cluster) -> ServedApp:
-    """The trained draft model and EAGLE head (proposers/assets/), each its own deployment
-    talking gRPC to the verifier, which sends the EAGLE one the target's hidden states."""
+    """The trained draft model and EAGLE head (proposers/assets/; the eagle default, the
+    EAGLE-3 head), each its own deployment talking gRPC to the verifier, which sends the
+    EAGLE one the target's hidden states (entering layers 2, 15 and 27)."""
     return _deploy(serve_cluster, "models", "/models", {
         "proposers": [{"method": "draft", "num_threads": 2, "resources": {"num_cpus": 0.25}},
                       {"method": "eagle", "resources": {"num_cpus": 0.25}}],

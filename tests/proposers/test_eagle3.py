@@ -191,7 +191,10 @@ def test_published_eagle3_layout_loads_and_says_which_states_it_reads(eagle3, mo
     assert head_hidden_state_layers(out, 30) == AUX
     # what a verifier reads from its YAML before the proposer's replicas answer
     assert registry_layers("eagle", {"path": str(out)}, 30) == AUX
-    assert registry_layers("eagle", {}, 30) is None  # the committed EAGLE-1 head: final states
+    from proposers.train import BUNDLED_EAGLE_DIR
+
+    assert registry_layers("eagle", {}, 30) == (2, 15, 27)  # the default: the committed EAGLE-3 head
+    assert registry_layers("eagle", {"path": str(BUNDLED_EAGLE_DIR)}, 30) is None  # EAGLE-1: final states
     assert registry_layers("ngram", {"path": str(out)}, 30) is None
     assert head.model.lm_head.shape[0] == w["lm_head.weight"].shape[0]
     np.testing.assert_array_equal(head.token_map, np.flatnonzero(w["t2d"].numpy()))

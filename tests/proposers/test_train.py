@@ -259,6 +259,45 @@ def test_distilling_the_top_one_token_is_training_on_the_targets_token(tiny_draf
     assert "soft labels: reused soft_labels.pt" in logs
 
 
+@pytest.mark.slow
+def test_training_can_start_from_a_trained_draft(tiny_draft, model, tokenizer, tmp_path):
+    """`init_from`: the new draft's layers and final norm are the saved draft's tensors (read
+    here straight from its safetensors), so the continued run's step-0 held-out agreement is
+    the saved draft's final one; a draft of another depth is refused."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    out, info = tiny_draft
+    saved = load_file(str(out / train.WEIGHTS_FILE))
+    net = train.DraftNet(model, TINY.init_layers, saved["splitspec.vocab_ids"].numpy())
+    with torch.no_grad():  # so that a tensor left uncopied shows (a few steps barely move the norms)
+        for value in net.parameters():
+            value.zero_()
+    train.start_draft_from(net, out, model, tokenizer)
+    for i, layer in enumerate(net.layers):
+        p = f"model.layers.{i}."
+        want = {"wqkv": torch.cat([saved[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+                "wo": saved[p + "self_attn.o_proj.weight"], "w_down": saved[p + "mlp.down_proj.weight"],
+                "w_gate_up": torch.cat([saved[p + "mlp.gate_proj.weight"], saved[p + "mlp.up_proj.weight"]]),
+                "input_norm": saved[p + "input_layernorm.weight"],
+                "post_norm": saved[p + "post_attention_layernorm.weight"]}
+        for name, value in want.items():
+            torch.testing.assert_close(getattr(layer, name), value.float(), rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(net.norm, saved["model.norm.weight"].float(), rtol=0, atol=0)
+
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "corpus.pt").write_bytes((out / "corpus.pt").read_bytes())
+    cfg = dataclasses.replace(TINY, steps=1, eval_every=1, init_from=str(out))
+    more = train.train_draft(model, tokenizer, again, cfg, base="bundled", command="test", resume=True,
+                             log=lambda *a: None)
+    assert more["history"][0] == {"step": 0, "held_out_agreement": info["held_out_agreement"]}
+    deeper = train.DraftNet(model, (*TINY.init_layers, 5), saved["splitspec.vocab_ids"].numpy())
+    with pytest.raises(ValueError, match=f"a draft of {len(TINY.init_layers)} layers cannot start one of"):
+        train.start_draft_from(deeper, out, model, tokenizer)
+
+
 def test_distil_top_is_checked():
     with pytest.raises(ValueError, match="distil_top"):
         train.TrainDraftConfig(distil_top=-1)
