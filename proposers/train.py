@@ -581,6 +581,20 @@ class _Layer(nn.Module):
         self.w_down = nn.Parameter(dense(w.w_down).float().clone())
 
 
+def copy_layer(layer: _Layer, w, source: str, input_norm: bool = True) -> None:
+    """Set a layer under training to a loaded one's weights (`LayerWeights`, e.g. of a
+    trained proposer): its projections, post-attention norm, q/k/v biases (which both must
+    have or lack) and, unless `input_norm` is False, its input norm."""
+    if (layer.bqkv is None) != (w.bqkv is None):
+        raise ValueError(f"{source}'s q/k/v biases do not match the target layer's")
+    names = ("wqkv", "wo", "post_norm", "w_gate_up", "w_down") + (("input_norm",) if input_norm else ())
+    with torch.no_grad():
+        for name in names:
+            getattr(layer, name).copy_(dense(getattr(w, name)))
+        if layer.bqkv is not None:
+            layer.bqkv.copy_(w.bqkv)
+
+
 def subset_head(target: LlamaModel, vocab_ids: np.ndarray) -> torch.Tensor:
     """The target's LM-head rows of the vocabulary subset, float32 [S, hidden]: column c of
     a head or draft under training is target id `vocab_ids[c]`."""
@@ -982,13 +996,9 @@ def start_draft_from(net: DraftNet, path: str | pathlib.Path, target: LlamaModel
     if len(draft.layers) != len(net.layers):
         raise ValueError(f"{path}: a draft of {len(draft.layers)} layers cannot start one of {len(net.layers)} "
                          f"(init_layers)")
+    for i, (mine, theirs) in enumerate(zip(net.layers, draft.layers)):
+        copy_layer(mine, theirs, f"{path}: the draft's layer {i}")
     with torch.no_grad():
-        for mine, theirs in zip(net.layers, draft.layers):
-            saved = dict(_Layer(theirs).named_parameters())
-            if saved.keys() != dict(mine.named_parameters()).keys():
-                raise ValueError(f"{path}: the draft's q/k/v biases do not match the target layers'")
-            for name, value in mine.named_parameters():
-                value.copy_(saved[name])
         net.norm.copy_(draft.final_norm.float())
 
 

@@ -51,9 +51,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from proposers.eagle import eagle3_aux_layers
-from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _figures, _Layer, _Progress, fit, length_groups,
-                             load_or_build_corpus, register_target_buffers, round_to_bfloat16, soft_cross_entropy,
-                             subset_head, target_features, vocab_subset, write_outputs)
+from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _figures, _Layer, _Progress, copy_layer, fit,
+                             length_groups, load_or_build_corpus, register_target_buffers, round_to_bfloat16,
+                             soft_cross_entropy, subset_head, target_features, vocab_subset, write_outputs)
 from verifier.models.llama import LlamaModel, dense, rotate_half
 from verifier.models.tokenizer import Tokenizer
 
@@ -403,21 +403,15 @@ def start_from(net: EagleNet, path: str | pathlib.Path, target: LlamaModel, toke
         raise ValueError(f"{path}: {kind(head.eagle3, head.aux_layers)} cannot start "
                          f"{kind(eagle3, getattr(net, 'aux_layers', ()))}")
     w = head.model.layers[0]
-    layer = net.layer
+    # An EAGLE-1 head's layer skips its input norm (`decoder_layer(input_norm=False)`).
+    copy_layer(net.layer, w, f"{path}: the head's layer", input_norm=eagle3)
     with torch.no_grad():
         net.fc_weight.copy_(dense(head.fc_weight))
         if eagle3:
-            layer.input_norm.copy_(w.input_norm)
             net.hidden_norm.copy_(w.hidden_norm)
             net.norm.copy_(head.model.final_norm)
         else:
             net.fc_bias.copy_(head.fc_bias if head.fc_bias is not None else torch.zeros_like(net.fc_bias))
-        for name in ("wqkv", "wo", "post_norm", "w_gate_up", "w_down"):
-            getattr(layer, name).copy_(dense(getattr(w, name)))
-        if (layer.bqkv is None) != (w.bqkv is None):
-            raise ValueError(f"{path}: the head's q/k/v biases do not match the target layer's")
-        if layer.bqkv is not None:
-            layer.bqkv.copy_(w.bqkv)
 
 
 def _layer_tensors(layer: _Layer, c, prefix: str) -> dict[str, torch.Tensor]:

@@ -141,6 +141,18 @@ def test_train_cli_switches_the_answer_cache(capsys):
     assert cache.path == train.ANSWERS_PATH and cache.model_id.startswith("bundled:")
 
 
+def _saved_layer(saved: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Layer i of a saved draft (HF names, as the test reads them) under the training
+    network's parameter names, float32."""
+    p = f"model.layers.{i}."
+    return {k: v.float() for k, v in {
+        "wqkv": torch.cat([saved[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+        "w_gate_up": torch.cat([saved[p + "mlp.gate_proj.weight"], saved[p + "mlp.up_proj.weight"]]),
+        "wo": saved[p + "self_attn.o_proj.weight"], "w_down": saved[p + "mlp.down_proj.weight"],
+        "input_norm": saved[p + "input_layernorm.weight"], "post_norm": saved[p + "post_attention_layernorm.weight"],
+    }.items()}
+
+
 @pytest.mark.slow
 def test_recipe_writes_a_draft_the_proposer_loads(tiny_draft, model, tokenizer):
     out, info = tiny_draft
@@ -169,13 +181,8 @@ def test_recipe_writes_a_draft_the_proposer_loads(tiny_draft, model, tokenizer):
     saved = load_file(str(out / train.WEIGHTS_FILE))
     with torch.no_grad():
         for i, layer in enumerate(net.layers):
-            p = f"model.layers.{i}."
-            layer.wqkv.copy_(torch.cat([saved[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).float())
-            layer.w_gate_up.copy_(torch.cat([saved[p + "mlp.gate_proj.weight"], saved[p + "mlp.up_proj.weight"]]).float())
-            layer.wo.copy_(saved[p + "self_attn.o_proj.weight"].float())
-            layer.w_down.copy_(saved[p + "mlp.down_proj.weight"].float())
-            layer.input_norm.copy_(saved[p + "input_layernorm.weight"].float())
-            layer.post_norm.copy_(saved[p + "post_attention_layernorm.weight"].float())
+            for name, value in _saved_layer(saved, i).items():
+                getattr(layer, name).copy_(value)
         net.norm.copy_(saved["model.norm.weight"].float())
         ids = tokenizer.encode("def add(a, b):\n    return a + b\n")
         want = net(torch.tensor([ids])) @ net.head.t()
@@ -276,14 +283,8 @@ def test_training_can_start_from_a_trained_draft(tiny_draft, model, tokenizer, t
             value.zero_()
     train.start_draft_from(net, out, model, tokenizer)
     for i, layer in enumerate(net.layers):
-        p = f"model.layers.{i}."
-        want = {"wqkv": torch.cat([saved[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
-                "wo": saved[p + "self_attn.o_proj.weight"], "w_down": saved[p + "mlp.down_proj.weight"],
-                "w_gate_up": torch.cat([saved[p + "mlp.gate_proj.weight"], saved[p + "mlp.up_proj.weight"]]),
-                "input_norm": saved[p + "input_layernorm.weight"],
-                "post_norm": saved[p + "post_attention_layernorm.weight"]}
-        for name, value in want.items():
-            torch.testing.assert_close(getattr(layer, name), value.float(), rtol=0, atol=0, msg=name)
+        for name, value in _saved_layer(saved, i).items():
+            torch.testing.assert_close(getattr(layer, name), value, rtol=0, atol=0, msg=name)
     torch.testing.assert_close(net.norm, saved["model.norm.weight"].float(), rtol=0, atol=0)
 
     again = tmp_path / "again"
