@@ -1004,26 +1004,36 @@ def start_draft_from(net: DraftNet, path: str | pathlib.Path, target: LlamaModel
 
 def save_draft(net: DraftNet, vocab_ids: np.ndarray, out: pathlib.Path) -> None:
     """Write the layers (HF names, bfloat16), the final norm and `vocab_ids`."""
-    from safetensors.torch import save_file
-
-    c = net.config
-    H, Hkv, D, I = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     tensors = {"model.norm.weight": net.norm.detach(), "splitspec.vocab_ids": torch.from_numpy(vocab_ids)}
     for i, layer in enumerate(net.layers):
-        p = f"model.layers.{i}."
-        q, k, v = layer.wqkv.detach().split([H * D, Hkv * D, Hkv * D])
-        gate, up = layer.w_gate_up.detach().split([I, I])
-        tensors.update({
-            p + "input_layernorm.weight": layer.input_norm.detach(),
-            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": layer.wo.detach(),
-            p + "post_attention_layernorm.weight": layer.post_norm.detach(),
-            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": layer.w_down.detach(),
-        })
-        if layer.bqkv is not None:
-            bq, bk, bv = layer.bqkv.detach().split([H * D, Hkv * D, Hkv * D])
-            tensors.update({p + "self_attn.q_proj.bias": bq, p + "self_attn.k_proj.bias": bk,
-                            p + "self_attn.v_proj.bias": bv})
+        tensors[f"model.layers.{i}.input_layernorm.weight"] = layer.input_norm.detach()
+        tensors.update(layer_tensors(layer, net.config, f"model.layers.{i}"))
+    save_bfloat16(tensors, out)
+
+
+def layer_tensors(layer: _Layer, c, prefix: str) -> dict[str, torch.Tensor]:
+    """The decoder layer's projections and post-attention norm under HF Llama names
+    (`prefix.self_attn.q_proj.weight`, ...); the input norm is the caller's to name, as an
+    EAGLE-1 head's layer has none."""
+    H, Hkv, D, I = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    q, k, v = layer.wqkv.detach().split([H * D, Hkv * D, Hkv * D])
+    gate, up = layer.w_gate_up.detach().split([I, I])
+    tensors = {
+        f"{prefix}.self_attn.q_proj.weight": q, f"{prefix}.self_attn.k_proj.weight": k,
+        f"{prefix}.self_attn.v_proj.weight": v, f"{prefix}.self_attn.o_proj.weight": layer.wo.detach(),
+        f"{prefix}.post_attention_layernorm.weight": layer.post_norm.detach(),
+        f"{prefix}.mlp.gate_proj.weight": gate, f"{prefix}.mlp.up_proj.weight": up,
+        f"{prefix}.mlp.down_proj.weight": layer.w_down.detach(),
+    }
+    if layer.bqkv is not None:
+        for name, b in zip("qkv", layer.bqkv.detach().split([H * D, Hkv * D, Hkv * D])):
+            tensors[f"{prefix}.self_attn.{name}_proj.bias"] = b
+    return tensors
+
+
+def save_bfloat16(tensors: dict[str, torch.Tensor], out: pathlib.Path) -> None:
+    """Write `tensors` to OUT/model.safetensors, floating-point ones as bfloat16."""
+    from safetensors.torch import save_file
+
     tensors = {k: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})

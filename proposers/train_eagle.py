@@ -51,9 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from proposers.eagle import eagle3_aux_layers
-from proposers.train import (WEIGHTS_FILE, TrainDraftConfig, _figures, _Layer, _Progress, copy_layer, fit,
+from proposers.train import (TrainDraftConfig, _figures, _Layer, _Progress, copy_layer, fit, layer_tensors,
                              length_groups, load_or_build_corpus, register_target_buffers, round_to_bfloat16,
-                             soft_cross_entropy, subset_head, target_features, vocab_subset, write_outputs)
+                             save_bfloat16, soft_cross_entropy, subset_head, target_features, vocab_subset,
+                             write_outputs)
 from verifier.models.llama import LlamaModel, dense, rotate_half
 from verifier.models.tokenizer import Tokenizer
 
@@ -414,36 +415,11 @@ def start_from(net: EagleNet, path: str | pathlib.Path, target: LlamaModel, toke
             net.fc_bias.copy_(head.fc_bias if head.fc_bias is not None else torch.zeros_like(net.fc_bias))
 
 
-def _layer_tensors(layer: _Layer, c, prefix: str) -> dict[str, torch.Tensor]:
-    """The decoder layer's projections and post-attention norm under HF Llama names."""
-    H, Hkv, D, I = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-    q, k, v = layer.wqkv.detach().split([H * D, Hkv * D, Hkv * D])
-    gate, up = layer.w_gate_up.detach().split([I, I])
-    tensors = {
-        f"{prefix}.self_attn.q_proj.weight": q, f"{prefix}.self_attn.k_proj.weight": k,
-        f"{prefix}.self_attn.v_proj.weight": v, f"{prefix}.self_attn.o_proj.weight": layer.wo.detach(),
-        f"{prefix}.post_attention_layernorm.weight": layer.post_norm.detach(),
-        f"{prefix}.mlp.gate_proj.weight": gate, f"{prefix}.mlp.up_proj.weight": up,
-        f"{prefix}.mlp.down_proj.weight": layer.w_down.detach(),
-    }
-    if layer.bqkv is not None:
-        for name, b in zip("qkv", layer.bqkv.detach().split([H * D, Hkv * D, Hkv * D])):
-            tensors[f"{prefix}.self_attn.{name}_proj.bias"] = b
-    return tensors
-
-
-def _save_bfloat16(tensors: dict[str, torch.Tensor], out: pathlib.Path) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {k: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-
-
 def save_eagle(net: EagleNet, vocab_ids: np.ndarray, out: pathlib.Path) -> None:
     """Write the head in the EAGLE-1 layout (bfloat16) plus `splitspec.vocab_ids`."""
-    _save_bfloat16({"fc.weight": net.fc_weight.detach(), "fc.bias": net.fc_bias.detach(),
-                    **_layer_tensors(net.layer, net.config, "layers.0"),
-                    "splitspec.vocab_ids": torch.from_numpy(vocab_ids)}, out)
+    save_bfloat16({"fc.weight": net.fc_weight.detach(), "fc.bias": net.fc_bias.detach(),
+                   **layer_tensors(net.layer, net.config, "layers.0"),
+                   "splitspec.vocab_ids": torch.from_numpy(vocab_ids)}, out)
 
 
 def save_eagle3(net: Eagle3Net, vocab_ids: np.ndarray, out: pathlib.Path) -> None:
@@ -453,12 +429,12 @@ def save_eagle3(net: Eagle3Net, vocab_ids: np.ndarray, out: pathlib.Path) -> Non
     ids = torch.from_numpy(vocab_ids.astype(np.int64))
     t2d = torch.zeros(net.config.vocab_size, dtype=torch.bool)
     t2d[ids] = True
-    _save_bfloat16({"fc.weight": net.fc_weight.detach(),
-                    "midlayer.input_layernorm.weight": net.layer.input_norm.detach(),
-                    "midlayer.hidden_norm.weight": net.hidden_norm.detach(),
-                    **_layer_tensors(net.layer, net.config, "midlayer"),
-                    "norm.weight": net.norm.detach(), "lm_head.weight": net.head,
-                    "d2t": ids - torch.arange(ids.numel()), "t2d": t2d}, out)
+    save_bfloat16({"fc.weight": net.fc_weight.detach(),
+                   "midlayer.input_layernorm.weight": net.layer.input_norm.detach(),
+                   "midlayer.hidden_norm.weight": net.hidden_norm.detach(),
+                   **layer_tensors(net.layer, net.config, "midlayer"),
+                   "norm.weight": net.norm.detach(), "lm_head.weight": net.head,
+                   "d2t": ids - torch.arange(ids.numel()), "t2d": t2d}, out)
 
 
 def eagle3_config(net: Eagle3Net, vocab_ids: np.ndarray) -> dict:
