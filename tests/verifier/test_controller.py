@@ -363,6 +363,27 @@ def test_a_model_proposers_drafts_are_sized_by_what_each_costs():
     assert _one(c, SequenceView("s")) == Decision("eagle", 3, "goodput")
 
 
+def test_a_call_line_never_fitted_is_learned_by_asking_two_more_drafts():
+    # An EAGLE-like head whose call takes 11 ms + 1 ms a draft, seen so far only at k = 1
+    # (12 ms): priced proportional to k until its calls' k vary, 12 ms a draft. A sequence
+    # with c(j) = 0.8 on T(n) = 20 + 0.5 n ms: at 12 ms a draft, k = 1 is best,
+    #   k = 1: 1.8 / (21 + 12) = 0.0545;  k = 2: 2.44 / (21.5 + 24) = 0.0536.
+    # Asked k = 1 again, the line would never be fitted. So the round asks 1 + 2 = 3.
+    c = Controller(ControllerSettings(), ("eagle",), StepTimeModel.linear(A, B))
+    for _ in range(5):
+        c.observe_proposer("eagle", 0.012, k=1)
+    c._state("s").by_method["eagle"] = AcceptanceEstimate([0.8] * 8)
+    v = SequenceView("s")
+    assert _one(c, v) == Decision("eagle", 3, "goodput")
+    # That call took 14 ms: with `timing_ewma` 0.2 the moments give k a mean of 1.4 and a
+    # variance of 2.6 - 1.4^2 = 0.64, the covariance 0.018 - 1.4 * 0.0124 = 0.00064, so
+    # 1 ms a draft and L(k) = 11 + k ms. Now the deepest k pays: E(8) = 1 + 4 (1 - 0.8^8)
+    # = 4.33 in 24.5 + 19 ms, 0.0995, against 0.0897 at k = 4; no more exploring.
+    c.observe_proposer("eagle", 0.014, k=3)
+    assert c.proposer_slope_s("eagle") == pytest.approx(0.001)
+    assert [_one(c, v) for _ in range(3)] == [Decision("eagle", 8, "goodput")] * 3
+
+
 def test_a_fallback_is_asked_for_what_pays_for_it_alone():
     # The same verifier and head as above, the head standing in for a method that had no
     # draft, alone in the pass: asked up to 8 it is asked for 3 (the best k above); up to 2,
@@ -452,10 +473,13 @@ def test_a_costly_methods_acceptance_moves_slower():
 
 def _costly_draft() -> Controller:
     """Default settings, T(n) = 20 + 0.5 n ms and a draft proposer whose call takes 12 ms
-    per draft (one call of k = 2 in 24 ms: proportional to k), far above
-    `shadow_latency_share` of a step: a costly method."""
+    per draft (calls of k = 1 and 3 in 12 and 36 ms: a line through 0, known, so no
+    round explores k, `Controller._explore_k`), far above `shadow_latency_share` of a
+    step: a costly method."""
     c = Controller(ControllerSettings(), ("draft",), MEMORY_BOUND)
-    c.observe_proposer("draft", 0.024, k=2)
+    c.observe_proposer("draft", 0.012, k=1)
+    c.observe_proposer("draft", 0.036, k=3)
+    assert c.proposer_slope_s("draft") == pytest.approx(0.012) and c.latency_s("draft", 2) == pytest.approx(0.024)
     return c
 
 
