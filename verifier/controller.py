@@ -1003,10 +1003,9 @@ class Controller:
         for i, k in ks.items():
             if k and (chosen[i] not in by_method or k > ks[by_method[chosen[i]]]):
                 by_method[chosen[i]] = i
-        for method, i in by_method.items():
+        for method, i in by_method.items():  # costly methods only: cheap ones are not in `ks`
             lat = self._latency.get(method)
-            if (lat is None or lat.slope is not None or lat.mean_k is None or self._cheap(method)
-                    or ks[i] >= lat.mean_k + 1):
+            if lat is None or lat.slope is not None or lat.mean_k is None or ks[i] >= lat.mean_k + 1:
                 continue
             ks[i] = min(ks[i] + EXPLORE_DRAFTS, caps[i])
 
