@@ -128,8 +128,9 @@ REASONS = (
 SEQUENCE_PRIOR_OBSERVATIONS = 2.0
 
 #: Drafts added to one sequence's ask of a costly method whose call line is not known
-#: yet (`Controller._explore_k`).
+#: yet, or has not been re-measured for `REFIT_CALLS` calls (`Controller._explore_k`).
 EXPLORE_DRAFTS = 2
+REFIT_CALLS = 32
 
 #: Off reasons under which a greedy sequence keeps shadow-drafting (see the module docstring).
 SHADOW_REASONS = ("low_acceptance", "batch_compute_bound")
@@ -420,6 +421,8 @@ class ProposerLatency:
         #: EWMA of what a catch-up call took beyond L(k) (0 until one is seen beside the line).
         self.catch_up_s = 0.0
         self._seen_catch_up = False
+        #: Calls of known k since the line was last fitted (their k varied too little since).
+        self.calls_since_fit = 0
 
     def observe(self, seconds: float, k: int | None = None, catch_up: bool = False) -> None:
         if catch_up and self.mean_s is not None and not self.catch_up_only:
@@ -429,7 +432,7 @@ class ProposerLatency:
             self._seen_catch_up = True
             return
         if self.catch_up_only and not catch_up:
-            self.mean_s, self._moments, self.slope = None, None, None
+            self.mean_s, self._moments, self.slope, self.calls_since_fit = None, None, None, 0
         self.catch_up_only = catch_up
         w = self.ewma
         self.mean_s = seconds if self.mean_s is None else self.mean_s + w * (seconds - self.mean_s)
@@ -442,6 +445,9 @@ class ProposerLatency:
         var = mean_kk - mean_k**2
         if var >= self.FIT_MIN_VAR:
             self.slope = max((mean_ks - mean_k * mean_s) / var, 0.0)
+            self.calls_since_fit = 0
+        else:
+            self.calls_since_fit += 1
 
     @property
     def mean_k(self) -> float | None:
@@ -998,14 +1004,21 @@ class Controller:
         drafts is asked `EXPLORE_DRAFTS` more, within its cap: `trim` still verifies only
         the drafts that pay, and the call's time puts a second point on the line (one such
         call fits it: with `timing_ewma` 0.2, calls at k and k + 2 give k a variance of
-        0.64 >= `ProposerLatency.FIT_MIN_VAR`)."""
+        0.64 >= `ProposerLatency.FIT_MIN_VAR`).
+
+        A fitted line is kept while k stops varying, so one slow exploring call would price
+        every further draft high for good (served, the same config: one check learned 8.7 ms
+        a draft for the EAGLE-3 head, another 2.8 ms, and neither moved again over 24
+        requests), and the controller, asking few drafts, would never move k again. So a line not re-fitted for `REFIT_CALLS` calls is explored the same
+        way: two drafts more in one call of 32, each refit replacing the last."""
         by_method: dict[str, int] = {}  # method -> its sequence with the most drafts
         for i, k in ks.items():
             if k and (chosen[i] not in by_method or k > ks[by_method[chosen[i]]]):
                 by_method[chosen[i]] = i
         for method, i in by_method.items():  # costly methods only: cheap ones are not in `ks`
             lat = self._latency.get(method)
-            if lat is None or lat.slope is not None or lat.mean_k is None or ks[i] >= lat.mean_k + 1:
+            if lat is None or lat.mean_k is None or ks[i] >= lat.mean_k + 1 or (
+                    lat.slope is not None and lat.calls_since_fit < REFIT_CALLS):
                 continue
             ks[i] = min(ks[i] + EXPLORE_DRAFTS, caps[i])
 

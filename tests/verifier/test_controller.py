@@ -384,6 +384,40 @@ def test_a_call_line_never_fitted_is_learned_by_asking_two_more_drafts():
     assert [_one(c, v) for _ in range(3)] == [Decision("eagle", 8, "goodput")] * 3
 
 
+def test_a_stale_call_line_is_explored_again_after_refit_calls():
+    # The head's line was fitted on a busy machine from calls at k = 1 (12 ms) and k = 3
+    # (30 ms), alternated: L(k) = 3 + 9 ms k. The same sequence as above (c(j) = 0.8, T(n) =
+    # 20 + 0.5 n ms) then drafts k = 2:
+    #   k = 1: 1.8 / (21 + 12) = 0.0545;  k = 2: 2.44 / (21.5 + 21) = 0.0574;
+    #   k = 3: 2.952 / (22 + 30) = 0.0568.
+    c = Controller(ControllerSettings(), ("eagle",), StepTimeModel.linear(A, B))
+    for _ in range(10):
+        c.observe_proposer("eagle", 0.012, k=1)
+        c.observe_proposer("eagle", 0.030, k=3)
+    assert c.proposer_slope_s("eagle") == pytest.approx(0.009)
+    c._state("s").by_method["eagle"] = AcceptanceEstimate([0.8] * 8)
+    v = SequenceView("s")
+    # Its calls at k = 2 take 21 ms, on the line, so the slope stays 9 ms (every point lies
+    # on it) while the variance of k decays by 0.8 a call from ~1: below 0.25 after 7 calls,
+    # after which the line is no longer refitted. 20 calls: 14 without a fit, fewer than
+    # REFIT_CALLS (32), so k = 2 is asked as it is.
+    for _ in range(20):
+        c.observe_proposer("eagle", 0.021, k=2)
+    assert [_one(c, v) for _ in range(3)] == [Decision("eagle", 2, "goodput")] * 3
+    # 20 calls more: 34 without a fit, so one call is asked 2 + 2 = 4 drafts.
+    for _ in range(20):
+        c.observe_proposer("eagle", 0.021, k=2)
+    assert _one(c, v) == Decision("eagle", 4, "goodput")
+    # The machine is idle now: the call at k = 4 takes 23 ms, so the head costs 19 + k ms.
+    # The moments move from (k 2, k^2 4, s 0.021, ks 0.042) to (2.4, 6.4, 0.0214, 0.052):
+    # variance 6.4 - 2.4^2 = 0.64, covariance 0.052 - 2.4 * 0.0214 = 0.00064, 1 ms a draft,
+    # L(k) = 21.4 + (k - 2.4) = 19 + k ms. Now the cap pays best: E(8) = 1 + 4 (1 - 0.8^8)
+    # = 4.329 over 24.5 + 27 ms, 0.0841, against k = 7: 4.161 / (24 + 26) = 0.0832.
+    c.observe_proposer("eagle", 0.023, k=4)
+    assert c.proposer_slope_s("eagle") == pytest.approx(0.001, rel=0.01)  # the alternation leaves ~0.8^40
+    assert _one(c, v) == Decision("eagle", 8, "goodput")
+
+
 def test_a_fallback_is_asked_for_what_pays_for_it_alone():
     # The same verifier and head as above, the head standing in for a method that had no
     # draft, alone in the pass: asked up to 8 it is asked for 3 (the best k above); up to 2,
