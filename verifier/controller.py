@@ -249,8 +249,15 @@ class StepTimeModel:
     together: a least squares line of the error against d over the recent passes at b
     (moments decayed by `fit_decay` per pass), X(b) >= 0 and kept as it is while d has
     varied too little to tell (variance under `FIT_MIN_VAR`). So X(b) is learned where
-    drafts come and go, and a batch that never drafts keeps X(b) = 0. The points stay as
-    profiled. Corrected by one-sequence passes (as they once were), they followed the
+    drafts come and go. A batch size with no X(b) of its own takes it from the nearest that
+    have one (linearly between them, flat beyond), and one never run without prompts takes
+    S(b) the same way from those that have (with S(1) as the lowest; beyond the largest,
+    that one's plus the profiled `per_seq_s` a sequence). The profile's S(b) is one
+    sequence's attention times b and far below a batch's: at 32 clients on code_edit in one
+    process (`engine-bench --continuous`, every pass logged), the batch sizes first met as the run drained
+    were priced at S(21) = 5 ms and X(21) = 0, and their passes with drafts at about half
+    what they took (21 sequences and 19 drafts: 73 ms priced, 213 measured), where the
+    controller drafted the most. The points stay as profiled. Corrected by one-sequence passes (as they once were), they followed the
     context of whichever sequence ran alone, and kept T_tokens non-decreasing by raising
     every later point: served on mix at 8 clients, the last requests decoding alone over
     300-400 tokens of context (70-120 ms a pass, against 60 ms profiled at 64) raised T
@@ -321,15 +328,29 @@ class StepTimeModel:
 
     def seq_s(self, b: int) -> float:
         """S(b): what b sequences add to a pass beyond the profiled curve of one sequence
-        of the same tokens (S(1): what a running sequence's context, and the load, add)."""
+        of the same tokens (S(1): what a running sequence's context, and the load, add).
+        At a batch size not yet learned from a pass without prompts, interpolated between
+        the nearest that are (see the class docstring)."""
         if b < 1:
             return 0.0
-        learned = self.seq_s_by_batch.get(b)
-        return self.per_seq_s * (b - 1) if learned is None else learned
+        if b in self._moments or not self._moments:
+            learned = self.seq_s_by_batch.get(b)
+            return self.per_seq_s * (b - 1) if learned is None else learned
+        anchors = {k: self.seq_s_by_batch[k] for k in self._moments}
+        if 1 not in anchors:
+            anchors[1] = self.seq_s_by_batch.get(1, 0.0)
+        top = max(anchors)
+        if b > top:  # beyond every batch size run: the profiled slope per sequence
+            return anchors[top] + self.per_seq_s * (b - top)
+        return _between(anchors, b)
 
     def draft_s(self, b: int) -> float:
-        """X(b): what a draft token adds beyond T_tokens' slope in a pass of b sequences."""
-        return self.draft_s_by_batch.get(b, 0.0)
+        """X(b): what a draft token adds beyond T_tokens' slope in a pass of b sequences
+        (interpolated between the batch sizes it is learned at; 0 before any)."""
+        learned = self.draft_s_by_batch.get(b)
+        if learned is not None or not self.draft_s_by_batch:
+            return learned or 0.0
+        return _between(self.draft_s_by_batch, b)
 
     def __call__(self, n: float, b: int = 1) -> float:
         return max(self.tokens_s(n) + self.seq_s(b) + self.draft_s(b) * max(n - b, 0.0), 1e-6)
@@ -1120,6 +1141,22 @@ class Controller:
             return False
         self._probe_round[method] = self._round
         return True
+
+
+def _between(values: Mapping[int, float], x: int) -> float:
+    """`values` interpolated linearly at x between its nearest keys, flat beyond the ends.
+
+    >>> _between({1: 10.0, 5: 30.0, 9: 20.0}, 3), _between({1: 10.0, 5: 30.0}, 8)
+    (20.0, 30.0)
+    """
+    keys = sorted(values)
+    i = bisect.bisect_left(keys, x)
+    if i == 0:
+        return values[keys[0]]
+    if i == len(keys):
+        return values[keys[-1]]
+    lo, hi = keys[i - 1], keys[i]
+    return values[lo] + (values[hi] - values[lo]) * (x - lo) / (hi - lo)
 
 
 def fallback_problem(fallbacks: Mapping[str, str], methods: Sequence[str]) -> str | None:

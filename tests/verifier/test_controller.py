@@ -135,11 +135,19 @@ def test_step_time_learns_what_a_draft_adds_at_a_batch_size():
     # prompt tokens priced by the curve alone: 40 tokens, 25 ms over the curve -> S(8) = 21 ms.
     m.observe(40, 8, m.tokens_s(40) + 0.025)
     assert m.seq_s(8) == pytest.approx(0.021, rel=1e-3) and m.draft_s(8) == pytest.approx(0.0005, rel=1e-3)
-    # A batch size that never drafts learns S(b) alone; X(b) stays 0 and no other b moves.
+    # A batch size that never drafts learns S(b) alone and takes X(b) from the batch sizes
+    # that learned it (only b = 8: 0.5 ms); no other b moves.
     for _ in range(100):
         m.observe(16, 16, m.tokens_s(16) + 0.030, num_drafts=0)
-    assert m.draft_s(16) == 0.0 and m.seq_s(16) == pytest.approx(0.030, rel=1e-3)
-    assert m.draft_s(32) == 0.0 and m.seq_s(32) == pytest.approx(31 * 0.002)
+    assert m.draft_s(16) == pytest.approx(0.0005, rel=1e-3) and m.seq_s(16) == pytest.approx(0.030, rel=1e-3)
+    assert m.seq_s(8) == pytest.approx(0.021, rel=1e-3)
+    # A batch size never run is priced from its learned neighbours, not from the profiled
+    # 2 ms a sequence: S(12) halfway between S(8) = 21 and S(16) = 30 ms, 25.5 ms; S(4)
+    # between S(1) (never run: 0) and S(8), 21 * 3 / 7 = 9 ms; beyond the largest learned,
+    # S(16) plus the profiled slope, S(32) = 30 + 16 * 2 = 62 ms. X(b) is 0.5 ms at each.
+    assert m.seq_s(12) == pytest.approx(0.0255, rel=1e-3) and m.seq_s(4) == pytest.approx(0.009, rel=1e-3)
+    assert m.seq_s(32) == pytest.approx(0.062, rel=1e-3)
+    assert [round(m.draft_s(b), 6) for b in (4, 12, 32)] == [0.0005] * 3
 
 # ---------------------------------------------------------------------- turning off and back on
 def test_low_acceptance_sequence_is_off_within_five_rounds_and_probed_back():
