@@ -253,11 +253,12 @@ class StepTimeModel:
     have one (linearly between them, flat beyond), and one never run without prompts takes
     S(b) the same way from those that have (with S(1) as the lowest; beyond the largest,
     that one's plus the profiled `per_seq_s` a sequence). The profile's S(b) is one
-    sequence's attention times b and far below a batch's: at 32 clients on code_edit in one
-    process (`engine-bench --continuous`, every pass logged), the batch sizes first met as the run drained
-    were priced at S(21) = 5 ms and X(21) = 0, and their passes with drafts at about half
-    what they took (21 sequences and 19 drafts: 73 ms priced, 213 measured), where the
-    controller drafted the most. The points stay as profiled. Corrected by one-sequence passes (as they once were), they followed the
+    sequence's attention times b and far below a batch's: at 32 clients on code_edit in
+    one process (`engine-bench --continuous`, every pass logged), the batch sizes first
+    met as the run drained were priced at S(21) = 5 ms and X(21) = 0, and their passes
+    with drafts at about half what they took (21 sequences and 19 drafts: 73 ms priced,
+    213 measured), where the controller drafted the most. The points stay as profiled.
+    Corrected by one-sequence passes (as they once were), they followed the
     context of whichever sequence ran alone, and kept T_tokens non-decreasing by raising
     every later point: served on mix at 8 clients, the last requests decoding alone over
     300-400 tokens of context (70-120 ms a pass, against 60 ms profiled at 64) raised T
@@ -1030,8 +1031,9 @@ class Controller:
         A fitted line is kept while k stops varying, so one slow exploring call would price
         every further draft high for good (served, the same config: one check learned 8.7 ms
         a draft for the EAGLE-3 head, another 2.8 ms, and neither moved again over 24
-        requests), and the controller, asking few drafts, would never move k again. So a line not re-fitted for `REFIT_CALLS` calls is explored the same
-        way: two drafts more in one call of 32, each refit replacing the last."""
+        requests), and the controller, asking few drafts, would never move k again. So a
+        line not re-fitted for `REFIT_CALLS` calls is explored the same way: two drafts
+        more in one call of 32, each refit replacing the last."""
         by_method: dict[str, int] = {}  # method -> its sequence with the most drafts
         for i, k in ks.items():
             if k and (chosen[i] not in by_method or k > ks[by_method[chosen[i]]]):
