@@ -1030,7 +1030,7 @@ class Controller:
 
         A fitted line is kept while k stops varying, so one slow exploring call would price
         every further draft high for good (served, the same config: one check learned 8.7 ms
-        a draft for the EAGLE-3 head, another 2.8 ms, and neither moved again over 24
+        a draft for the EAGLE-3 head, another 2.8 ms, which did not move over 24
         requests), and the controller, asking few drafts, would never move k again. So a
         line not re-fitted for `REFIT_CALLS` calls is explored the same way: two drafts
         more in one call of 32, each refit replacing the last."""
