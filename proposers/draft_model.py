@@ -50,6 +50,7 @@ from protos.proposal import Proposal, ProposalRequest
 from verifier.errors import ModelLoadError
 from verifier.models.config import ModelConfig
 from verifier.models.llama import LayerWeights, LlamaModel
+from verifier.models.threads import cpu_worker, release_openmp_threads, run_on_cpu_worker
 from verifier.models.vocab import VocabFingerprint
 
 
@@ -297,7 +298,10 @@ class DraftModelProposer:
                  token_map: np.ndarray | None = None) -> None:
         self.method = method
         self.model = model
-        model.pack_weights()  # oneDNN on CPU in float32 (a no-op elsewhere)
+        # Drafts run on the process's one model thread (`verifier.models.threads`), the
+        # verifier's too when it shares the process; the loading thread frees its OpenMP
+        # team once the cache is allocated.
+        run_on_cpu_worker(model.pack_weights)  # oneDNN on CPU in float32 (a no-op elsewhere)
         #: Target id of each LM-head column when the draft's head covers a subset of the
         #: vocabulary (`load_trained_draft`); None when column c is id c.
         self.token_map = None if token_map is None else torch.from_numpy(np.asarray(token_map, np.int64))
@@ -311,6 +315,7 @@ class DraftModelProposer:
         self._seqs: collections.OrderedDict[str, _Seq] = collections.OrderedDict()  # LRU order
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._lock = threading.Lock()  # one round at a time on the cache (several streams may call)
+        release_openmp_threads()
 
     @property
     def num_sequences(self) -> int:
@@ -325,7 +330,8 @@ class DraftModelProposer:
 
     async def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         # The passes release the GIL: off the event loop, so streams and health checks go on.
-        return await asyncio.to_thread(self.propose_sync, requests)
+        release_openmp_threads()
+        return await asyncio.get_running_loop().run_in_executor(cpu_worker(), self.propose_sync, requests)
 
     def propose_sync(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         with self._lock:

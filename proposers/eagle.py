@@ -51,6 +51,7 @@ from proposers.draft_model import DraftModelConfig, DraftModelProposer, _Seq, hf
 from verifier.errors import ModelLoadError
 from verifier.models.config import ModelConfig
 from verifier.models.llama import LlamaModel, linear, pack_weight
+from verifier.models.threads import run_on_cpu_worker
 from verifier.models.vocab import VocabFingerprint
 
 
@@ -237,7 +238,7 @@ class EagleProposer(DraftModelProposer):
                  config: DraftModelConfig | None = None, method: str = "eagle") -> None:
         super().__init__(head.model, vocab, config, method, token_map=head.token_map)
         if self.model.packed and not head.fc_weight.is_mkldnn:
-            head = dataclasses.replace(head, fc_weight=pack_weight(head.fc_weight))
+            head = dataclasses.replace(head, fc_weight=run_on_cpu_worker(pack_weight, head.fc_weight))
         self.head = head
         #: The target states the verifier must send (`Info.hidden_state_layers`): None for
         #: its final ones (EAGLE-1), the layers' input states for an EAGLE-3 head.

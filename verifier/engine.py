@@ -25,7 +25,6 @@ between steps, so the worker never races with an abort.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -40,6 +39,7 @@ import torch
 from protos.proposal import Proposal, ProposalRequest, ProposalSource
 from verifier.errors import InvalidRequestError, OverloadedError
 from verifier.models.llama import LlamaModel
+from verifier.models.threads import cpu_worker, release_openmp_threads, run_on_cpu_worker
 from verifier.controller import Controller, SequenceView, StepTimeModel, fallback_problem
 from verifier.observer import EngineObserver
 from verifier.rejection_sampler import greedy_accept, rejection_sample
@@ -229,7 +229,10 @@ class Engine:
         fallbacks: Mapping[str, str] | None = None,
     ) -> None:
         self.model = model
-        model.pack_weights()  # oneDNN on CPU in float32 (a no-op elsewhere)
+        # Every pass runs on the process's one model thread (`verifier.models.threads`);
+        # the thread that loaded the model frees its OpenMP team (the last line here).
+        self._worker = cpu_worker()
+        run_on_cpu_worker(model.pack_weights)  # oneDNN on CPU in float32 (a no-op elsewhere)
         #: Receives step, round, proposer-call and request events (metrics); no-op by default.
         self.observer = observer or EngineObserver()
         self.tokenizer = tokenizer
@@ -267,9 +270,7 @@ class Engine:
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        # One dedicated thread runs every forward pass, so torch keeps one OpenMP team
-        # instead of one per executor thread (idle teams spin on the same 2 cores).
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitspec-model")
+        release_openmp_threads()  # after the last torch work here (the KV cache)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -361,11 +362,15 @@ class Engine:
         online): T_tokens(n) on one sequence for a grid of n, and the cost of each further
         sequence from a pass of max_num_seqs sequences of one token each, every sequence
         holding `context_len` tokens of context. Runs before serving: every KV slot must be
-        free. Each figure is the fastest of `repeats` passes after one warm-up pass.
+        free. Each figure is the fastest of `repeats` passes after one warm-up pass, run on
+        the model thread as the serving passes are.
 
         The grid is `profile_grid`'s, up to `max_tokens` (default: a full batch at the
         controller's largest k).
         """
+        return run_on_cpu_worker(self._profile_step_time, max_tokens, context_len, repeats)
+
+    def _profile_step_time(self, max_tokens: int | None, context_len: int, repeats: int) -> StepTimeModel:
         assert self.cache.num_used_slots == 0, "profile_step_time needs an idle engine"
         s = self.controller.settings
         limit = min(max_tokens or self.config.max_num_seqs * (max(s.max_k, s.k) + 1),
@@ -510,6 +515,7 @@ class Engine:
         # Running from now on, so that a failing step reaches their clients too.
         self._running.extend(admitted)
         works = [_Work(s, list(s.prompt_token_ids), np.zeros(0, np.int32), None) for s in admitted]
+        release_openmp_threads()  # should this thread have run torch in parallel (see `__init__`)
         start = time.perf_counter()
         works += await self._plan_and_propose(running, sum(len(w.input_token_ids) for w in works), len(works))
         self.stats.propose_s += time.perf_counter() - start
