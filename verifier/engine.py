@@ -17,7 +17,8 @@ Each step (one verifier forward pass):
      (`verifier.tracing`).
 Prefill is the k = 0 case of a round whose input is the prompt, so one code path serves both.
 
-The forward pass and acceptance run in a dedicated worker thread so the event
+The forward pass and acceptance run on the process's one model thread
+(`verifier.models.threads.cpu_worker`, which in-process proposers share) so the event
 loop keeps serving clients; everything that adds or removes sequences runs on the loop
 between steps, so the worker never races with an abort.
 """
