@@ -59,7 +59,12 @@ class ProposerReplica:
         # torch threads as configured; else Ray's default (num_cpus rounded down, at least 1).
         torch = sys.modules.get("torch")  # loaded by model proposers only
         if cfg.num_threads and torch is not None:
+            from verifier.models.threads import run_on_cpu_worker
+
             torch.set_num_threads(cfg.num_threads)
+            # The model thread read torch's thread count when the proposer packed its
+            # weights there (`build_proposer`), so it is told again.
+            run_on_cpu_worker(torch.set_num_threads, cfg.num_threads)
         context = serve.get_replica_context()
         self._deployment = context.deployment
         self._replica_id = context.replica_id.unique_id
