@@ -19,8 +19,16 @@ def _run(code: str) -> dict:
     prelude = (
         "import json, os, torch\n"
         "torch.set_num_threads(2)\n"
-        "def count():\n"
-        "    return len(os.listdir('/proc/self/task'))\n"
+        "import time\n"
+        "def count():\n"  # once settled: a freed team's threads exit just after the call returns
+        "    last = None\n"
+        "    for _ in range(25):\n"
+        "        n = len(os.listdir('/proc/self/task'))\n"
+        "        if n == last:\n"
+        "            return n\n"
+        "        last = n\n"
+        "        time.sleep(0.2)\n"
+        "    return n\n"
         "x = torch.randn(1024, 1024)\n"
     )
     out = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=300)
