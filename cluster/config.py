@@ -200,6 +200,8 @@ class ControllerConfig(_Strict):
                                    "per-position acceptance average.")
     costly_acceptance_ewma: float = Field(0.1, gt=0, le=1, description="The same for a method that is not cheap "
                                           "(a model proposer), which has no shadow drafts to come back by.")
+    sequence_share: float = Field(0.5, ge=0, le=1, description="For a cheap method, the share of a sequence's "
+                                  "departure from the method-wide acceptance that 'goodput' believes (1: all of it).")
     shadow: bool = Field(True, description="'goodput': a greedy sequence that is off keeps asking a cheap "
                          "proposer for drafts that are not verified but scored against the tokens it emits next, "
                          "so it comes back as soon as its acceptance does; unused methods are measured the same way.")
@@ -226,6 +228,7 @@ class ControllerConfig(_Strict):
             policy=self.policy, k=self.k, max_k=self.max_k, batch_table=tuple(sorted(self.batch_table.items())),
             probe_interval=self.probe_interval, probe_k=self.probe_k, hysteresis=self.hysteresis,
             acceptance_ewma=self.acceptance_ewma, costly_acceptance_ewma=self.costly_acceptance_ewma,
+            sequence_share=self.sequence_share,
             shadow=self.shadow, shadow_latency_share=self.shadow_latency_share,
         )
 

@@ -29,10 +29,17 @@ Worked example: one sequence, T(n) = 20 ms + 0.5 ms * n, L = 1 ms. k = 1 pays wh
 
 Prompts prefilled in the same pass (n tokens) are not in the baseline the drafts compete
 with: the pass is priced as the running sequences' decode pass, T(B), plus what the drafts
-add to the real one, T(n + sum_i (k_i + 1)) - T(n + B) (`Controller._pass_time`). Counted
-in the baseline, the prefill made the pass's own goodput low and any draft look good
-beside it (measured in the engine at 32 slots on code_edit: auto verified about 76 drafts
-in each pass that carried prompts, where a decode pass of 32 took 0-11, and lost to `off`).
+add to the real one, read off the one-sequence token curve alone: T_tokens(n + sum_i
+(k_i + 1)) - T_tokens(n + B) (`Controller._pass_time`). Counted in the baseline, the
+prefill made the pass's own goodput low and any draft look good beside it (measured in
+the engine at 32 slots on code_edit: auto verified about 76 drafts in each pass that
+carried prompts, where a decode pass of 32 took 0-11, and lost to `off`). The step-time
+model's per-draft extra X(b) is left out there: it is learned in decode passes, where the
+curve's rows are cheap ones (32-64 tokens: 0.75 ms a token on the bundled model), and a
+pass with prompts already runs at the dear rows further up (1.3-1.5 ms a token past 100).
+With X(b) on top a draft beside a prompt was priced at 2.6-4.1 ms, where a least-squares
+fit over such passes gave 1.4-1.6 (in one process at 32 clients on code_edit), and auto
+drafted in few of them while `static:2` gained there.
 
 Cheap methods are asked first and trimmed after. Weighing a draft by p_i before knowing
 whether it comes spreads its cost over the step of T: on a CPU verifier whose GEMMs run
@@ -152,6 +159,14 @@ class ControllerSettings:
     #: At 0.3 a sequence whose drafts all fail drops from a well-measured c = 0.6 to 0.07
     #: in 6 rounds (from the bare prior 0.6: 0.3, 0.2, 0.14, ..., 0.05).
     acceptance_ewma: float = 0.3
+    #: For a cheap method, the share of a sequence's departure from the method-wide
+    #: acceptance (per position) that its decisions believe: a sequence's estimate moves
+    #: by `acceptance_ewma` a round and so swings with chance. Measured in one process at
+    #: 32 clients on code_edit (n-gram, about 960 rounds with drafts a run): whether a
+    #: round's first draft was accepted was foretold worse by the sequence's own estimate
+    #: than by the method-wide one (Brier score 0.246-0.250 against 0.239-0.240), and best
+    #: by the method-wide one plus 0.3-0.5 of the sequence's departure (0.231-0.235).
+    sequence_share: float = 0.5
     #: The same for a costly method (not cheap, see `shadow_latency_share`: a model
     #: proposer). It has no shadow drafts, so a sequence it turned off is re-measured only
     #: by a probe every `probe_interval` rounds, and a noisy estimate that dips below
@@ -185,6 +200,8 @@ class ControllerSettings:
             raise ValueError(f"k, max_k and probe_k must be >= 0, got {self.k}, {self.max_k}, {self.probe_k}")
         if self.probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
+        if not 0 <= self.sequence_share <= 1:
+            raise ValueError(f"sequence_share must be in [0, 1], got {self.sequence_share}")
         for name in ("acceptance_ewma", "costly_acceptance_ewma", "timing_ewma"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
@@ -512,7 +529,7 @@ class AcceptanceEstimate:
     [0.533, 0.8, 0.8, 0.8]
     """
 
-    __slots__ = ("c", "p", "evidence", "rounds")
+    __slots__ = ("c", "p", "evidence", "rounds", "toward", "own_share")
 
     def __init__(self, initial: Sequence[float], p: float = 1.0, evidence: Sequence[float] | None = None) -> None:
         self.c = list(initial)
@@ -521,6 +538,10 @@ class AcceptanceEstimate:
         self.evidence = [math.inf] * len(self.c) if evidence is None else list(evidence)
         #: Rounds observed by this estimate itself.
         self.rounds = 0
+        #: `values` gives toward's value plus `own_share` of this estimate's departure from
+        #: it (a sequence's estimate shrunk toward its method-wide one); None: its own.
+        self.toward: AcceptanceEstimate | None = None
+        self.own_share = 1.0
 
     def copy(self, max_evidence: float = math.inf) -> "AcceptanceEstimate":
         """A new estimate starting where this one is: its values, and its evidence up to
@@ -534,7 +555,7 @@ class AcceptanceEstimate:
         self.rounds += 1
         self.p += weight * ((1.0 if k else 0.0) - self.p)
         n = min(num_accepted + 1, k, len(self.c))
-        for j, taken in enumerate(self.values(n)):
+        for j, taken in enumerate(self.own_values(n)):
             self.c[j] = taken  # a position never observed starts from the one before it
             x = 1.0 if j < num_accepted else 0.0
             self.evidence[j] += 1.0
@@ -551,7 +572,14 @@ class AcceptanceEstimate:
 
     def values(self, k: int | None = None) -> list[float]:
         """c(1..k) (default: every position) as the controller uses them: the estimate,
-        or for a position never observed the value of the one before it."""
+        or for a position never observed the value of the one before it, shrunk toward
+        `toward`'s when there is one."""
+        out = self.own_values(k)
+        if self.toward is None or self.own_share == 1.0:
+            return out
+        return [g + self.own_share * (c - g) for c, g in zip(out, self.toward.values(len(out)))]
+
+    def own_values(self, k: int | None = None) -> list[float]:
         out: list[float] = []
         for j in range(len(self.c) if k is None else k):
             out.append(self.c[j] if self.seen(j) or not j else out[-1])
@@ -694,9 +722,12 @@ class Controller:
     def forget(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
 
-    def acceptance(self, seq_id: str, method: str) -> list[float]:
-        """The sequence's conditional acceptance per position for `method` (a copy)."""
-        return self._estimate(self._state(seq_id), method).values()
+    def acceptance(self, seq_id: str, method: str, believed: bool = False) -> list[float]:
+        """The sequence's conditional acceptance per position for `method` (a copy): its own
+        estimate, or with `believed` as the decisions use it (a cheap method's shrunk toward
+        the method-wide estimate, `ControllerSettings.sequence_share`)."""
+        est = self._estimate(self._state(seq_id), method)
+        return est.values() if believed else est.own_values()
 
     def _state(self, seq_id: str) -> _SeqState:
         state = self._seqs.get(seq_id)
@@ -708,6 +739,8 @@ class Controller:
         est = state.by_method.get(method)
         if est is None:
             est = state.by_method[method] = self._global[method].copy(SEQUENCE_PRIOR_OBSERVATIONS)
+        est.toward = self._global[method]
+        est.own_share = self.settings.sequence_share if self._cheap(method) else 1.0
         return est
 
     # ------------------------------------------------------------------ planning
@@ -892,16 +925,16 @@ class Controller:
     def _pass_time(self, num_seqs: int, num_prefill_tokens: int, num_prefill_seqs: int) -> Callable[[float], float]:
         """This pass's time as the drafts are priced, over n tokens of the `num_seqs` running
         sequences (one each plus drafts): their decode pass, T(num_seqs), plus what the
-        drafts add to the real pass, prompts prefilled beside them included (see the
-        module docstring)."""
+        drafts add to the real pass, prompts prefilled beside them included: there, the
+        token curve's rise alone (see the module docstring). `num_prefill_seqs` does not
+        change the price (the sequences' cost S(b) is the same with and without drafts)."""
         T = self.step_time
         assert T is not None, "policy goodput needs a step-time model (Engine.profile_step_time)"
         if not num_prefill_tokens:
             return lambda n: T(n, num_seqs)
-        batch = num_seqs + num_prefill_seqs
         base = T(num_seqs, num_seqs)
-        full = T(num_prefill_tokens + num_seqs, batch)
-        return lambda n: base + T(num_prefill_tokens + n, batch) - full
+        full = T.tokens_s(num_prefill_tokens + num_seqs)
+        return lambda n: base + T.tokens_s(num_prefill_tokens + n) - full
 
     def _goodput(self, seqs: Sequence[SequenceView], auto: list[int], decisions: list[Decision | None],
                  live: list[str], t: Callable[[float], float]) -> None:

@@ -291,6 +291,54 @@ def test_prompts_prefilled_in_the_pass_do_not_make_drafts_look_cheap():
     assert c.plan([SequenceView("s")], None, 200, 1)[0] == Decision("ngram", 3, "goodput")
 
 
+def test_beside_a_prompt_drafts_cost_the_token_curve_without_the_learned_per_draft_extra():
+    # T(n) = 20 ms + 0.5 ms n, and decode passes have taught X = 3 ms a draft beyond the
+    # curve. In a decode pass a draft costs 3.5 ms: with c(j) = 0.15, k = 1 gives
+    # 1.15 / (20.5 + 3.5 + 1) = 0.0460 < 1 / 20.5 = 0.04878: off. Beside a 200-token prompt
+    # the pass already runs on the curve's dear rows, and a draft costs the curve's 0.5 ms:
+    # k = 1 gives 1.15 / 22 = 0.05227 > 0.04878, k = 2 1.1725 / 22.5 = 0.05211: k = 1.
+    # (With X on top, as before, it stayed off there too.)
+    step_time = StepTimeModel.linear(A, B)
+    step_time.draft_s_by_batch[1] = 0.003
+    c = _controller(step_time=step_time)
+    c._state("s").by_method["ngram"] = AcceptanceEstimate([0.15] * 8)
+    assert c.plan([SequenceView("s")])[0] == Decision(None, 0, "low_acceptance")
+    assert c.plan([SequenceView("s")], None, 200, 1)[0] == Decision("ngram", 1, "goodput")
+    # trim, the proposer's time spent: decode pass k = 1 1.15 / 24 = 0.0479 < 0.04878;
+    # beside the prompt k = 1 1.15 / 21 = 0.05476, k = 2 1.1725 / 21.5 = 0.05453.
+    assert c.trim([("s", "ngram", 8, "goodput")]) == [0]
+    assert c.trim([("s", "ngram", 8, "goodput")], 200, 1) == [1]
+
+
+def test_a_cheap_methods_sequence_counts_a_share_of_its_departure_from_the_method_wide_acceptance():
+    # The method-wide estimate is the prior, c(j) = 0.6; the sequence's own, 0.02. A cheap
+    # method (L = 1 ms <= 1.0 * T(1) = 20.5 ms) believes half the departure by default:
+    # c(j) = 0.6 + 0.5 (0.02 - 0.6) = 0.31, alpha = 0.31, 0.0961, 0.0298. trim, the
+    # proposer's time spent, maximises (1 + S_k) / (20.5 + 0.5 k): k = 1 1.31 / 21 = 0.06238,
+    # k = 2 1.4061 / 21.5 = 0.06540, k = 3 1.4359 / 22 = 0.06527: k = 2. Believing all of it
+    # (c = 0.02): k = 1 1.02 / 21 = 0.04857 < 1 / 20.5 = 0.04878: none. A costly method
+    # (shadow_latency_share 0: not cheap) believes all of it too.
+    for share, expected_c, kept in ((None, 0.31, 2), (1.0, 0.02, 0)):
+        settings = {} if share is None else {"sequence_share": share}
+        c = _controller(shadow_latency_share=1.0, **settings)
+        c._state("s").by_method["ngram"] = AcceptanceEstimate([0.02] * 8)
+        assert c.acceptance("s", "ngram", believed=True)[:3] == pytest.approx([expected_c] * 3)
+        assert c.trim([("s", "ngram", 8, "goodput")]) == [kept]
+    c = _controller()
+    c._state("s").by_method["ngram"] = AcceptanceEstimate([0.02] * 8)
+    assert c.acceptance("s", "ngram", believed=True)[:3] == pytest.approx([0.02] * 3)
+    assert c.trim([("s", "ngram", 8, "goodput")]) == [0]
+    # What the sequence observes moves its own estimate, not the shrunk one: a round of 2
+    # drafts with the first accepted, at acceptance_ewma 0.3: c(1) = 0.02 + 0.3 (1 - 0.02) =
+    # 0.314, c(2) = 0.02 - 0.3 * 0.02 = 0.014, shown as 0.457 and 0.307.
+    c = _controller(shadow_latency_share=1.0)
+    c._state("s").by_method["ngram"] = AcceptanceEstimate([0.02] * 8)
+    c.observe_round("s", "ngram", 2, 1)
+    assert c.acceptance("s", "ngram")[:2] == pytest.approx([0.314, 0.014])
+    glob = c._global["ngram"].values(2)  # moved by 0.3 / 4 itself
+    assert c.acceptance("s", "ngram", believed=True)[:2] == pytest.approx([g + 0.5 * (x - g) for x, g in zip((0.314, 0.014), glob)])
+
+
 def test_cheap_method_is_asked_for_the_cap_when_a_draft_would_pay():
     # A sequence whose proposer has a draft in 1 round of 10 (p = 0.1), c(j) = 0.5.
     # Given a draft, k = 8 gives S_8 = 0.5 + ... + 0.5^8 = 0.996 tokens more for 131 + 1 ms
@@ -607,7 +655,7 @@ def test_a_full_batch_asks_a_cheap_method_when_its_drafts_pay_together():
         return -(-n // 16) * 16
 
     t = StepTimeModel([(16 * j, 0.040 + 0.080 * j) for j in range(1, 19)], rows=rows)
-    c = _controller(step_time=t, shadow_latency_share=0.25)
+    c = _controller(step_time=t, shadow_latency_share=0.25, sequence_share=1.0)  # c(j) as set
     views = [SequenceView(f"s{i}", greedy=True) for i in range(32)]
     for v in views:
         c._state(v.seq_id).by_method["ngram"] = AcceptanceEstimate([0.9] * 8)
@@ -666,7 +714,8 @@ def test_trim_prices_a_tree_depth_by_its_nodes():
 def test_off_greedy_sequence_shadow_drafts_and_comes_back_without_probes():
     # c = [0.02, 0.6, ...] and off: with the hysteresis (x 0.8) S_k <= 0.8 * 0.05 = 0.04 and
     # 0.04 * 20.5 < 0.5 k + 1 for every k: off for low acceptance (all-accepted drafts would pay).
-    c = _controller(shadow_latency_share=0.25)
+    # (The sequences' own estimates believed in full: `sequence_share` 1.)
+    c = _controller(shadow_latency_share=0.25, sequence_share=1.0)
     for seq_id in ("greedy", "sampled"):
         c._state(seq_id).by_method["ngram"] = AcceptanceEstimate([0.02] + [0.6] * 7)
         c._state(seq_id).on = False
@@ -760,6 +809,8 @@ def test_settings_are_checked():
         ControllerSettings(batch_table=((4, 2),))
     with pytest.raises(ValueError, match="batch_table"):
         ControllerSettings(batch_table=((1, 4), (1, 2)))
+    with pytest.raises(ValueError, match="sequence_share"):
+        ControllerSettings(sequence_share=1.5)
 
 
 # ---------------------------------------------------------------------- method choice
