@@ -208,6 +208,9 @@ class ControllerConfig(_Strict):
     shadow_latency_share: float = Field(0.25, ge=0, description="A method whose round trip is at most this share "
                                         "of a lone decode step is cheap: 'goodput' asks it for max_k and trims the "
                                         "drafts once they are in, and only cheap methods shadow-draft.")
+    shadow_interval: int = Field(4, ge=1, description="Passes between calls of a method made for shadow drafts "
+                                 "only (none verified that pass): such a call runs beside the pass but takes CPU "
+                                 "from it where they share cores.")
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -229,7 +232,7 @@ class ControllerConfig(_Strict):
             probe_interval=self.probe_interval, probe_k=self.probe_k, hysteresis=self.hysteresis,
             acceptance_ewma=self.acceptance_ewma, costly_acceptance_ewma=self.costly_acceptance_ewma,
             sequence_share=self.sequence_share,
-            shadow=self.shadow, shadow_latency_share=self.shadow_latency_share,
+            shadow=self.shadow, shadow_latency_share=self.shadow_latency_share, shadow_interval=self.shadow_interval,
         )
 
 

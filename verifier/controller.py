@@ -56,6 +56,14 @@ the pass out again by the same maximisation with p = 1 for the sequences that go
 (and their true counts), and cuts the rest. Costly methods are sized in `plan`, where
 asking for fewer drafts saves proposer time, and trimmed the same way.
 
+Asking still holds the pass back by the cheap method's round trip, so the call itself must
+pay (`Controller._pays_for_call`): the drafts that would pay given that they come, each
+weighed by its sequence's p, against no call. Otherwise the sequences are off
+(`proposer_slow`) and, greedy, shadow-draft: a call made for shadows only runs beside the
+pass. On free chat at 32 clients (served, `bench-cpu.yaml`) the n-gram proposer had a
+draft for under one ask in ten; asked every round for the cap, it cost a 3 ms round trip
+on a 135 ms pass and gave back under one token a pass.
+
 Policies (`ControllerSettings.policy`):
 - `off`: never speculate (a request's `mode: on` still does);
 - `static`: k = `k` every round (vLLM's `num_speculative_tokens`);
@@ -140,7 +148,7 @@ EXPLORE_DRAFTS = 2
 REFIT_CALLS = 32
 
 #: Off reasons under which a greedy sequence keeps shadow-drafting (see the module docstring).
-SHADOW_REASONS = ("low_acceptance", "batch_compute_bound")
+SHADOW_REASONS = ("low_acceptance", "batch_compute_bound", "proposer_slow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,14 +200,19 @@ class ControllerSettings:
     shadow: bool = True
     #: ... for methods whose round trip is at most this share of a lone decode step.
     shadow_latency_share: float = 0.25
+    #: A method called for shadow drafts only (none verified this round) is called once
+    #: every this many passes, every sequence due riding along (`Engine`): beside the pass
+    #: the call still takes CPU from it where they share cores.
+    shadow_interval: int = 4
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
         if self.k < 0 or self.max_k < 0 or self.probe_k < 0:
             raise ValueError(f"k, max_k and probe_k must be >= 0, got {self.k}, {self.max_k}, {self.probe_k}")
-        if self.probe_interval < 1:
-            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
+        if self.probe_interval < 1 or self.shadow_interval < 1:
+            raise ValueError(f"probe_interval and shadow_interval must be >= 1, got {self.probe_interval}, "
+                             f"{self.shadow_interval}")
         if not 0 <= self.sequence_share <= 1:
             raise ValueError(f"sequence_share must be in [0, 1], got {self.sequence_share}")
         for name in ("acceptance_ewma", "costly_acceptance_ewma", "timing_ewma"):
@@ -579,6 +592,15 @@ class AcceptanceEstimate:
             return out
         return [g + self.own_share * (c - g) for c, g in zip(out, self.toward.values(len(out)))]
 
+    def believed_p(self) -> float:
+        """p as `values` gives c: `toward`'s plus `own_share` of this estimate's departure
+        from it. A sequence's own p, an EWMA of 0.3 a round, falls to nothing over a dozen
+        rounds without a match (n-gram on chat: 0.002 within 20 rounds of one request)
+        while matches come again later."""
+        if self.toward is None or self.own_share == 1.0:
+            return self.p
+        return self.toward.p + self.own_share * (self.p - self.toward.p)
+
     def own_values(self, k: int | None = None) -> list[float]:
         out: list[float] = []
         for j in range(len(self.c) if k is None else k):
@@ -632,6 +654,8 @@ class Controller:
         self._seqs: dict[str, _SeqState] = {}
         #: Per method, the drafts per depth of its last token tree (`trim`'s `levels`).
         self._levels: dict[str, list[int]] = {}
+        #: `_cheap` per method while `plan` runs (nothing it reads changes meanwhile).
+        self._cheap_memo: dict[str, bool] | None = None
         #: Rounds planned, and per costly method the last round that probed it.
         self._round = 0
         self._probe_round: dict[str, int] = {}
@@ -748,6 +772,14 @@ class Controller:
              num_prefill_tokens: int = 0, num_prefill_seqs: int = 0) -> list[Decision]:
         """One decision per sequence, in order. `available[m]` False: method m has no live
         proposer right now. `num_prefill_*`: prompts prefilled in the same pass."""
+        self._cheap_memo = {}
+        try:
+            return self._plan(seqs, available, num_prefill_tokens, num_prefill_seqs)
+        finally:
+            self._cheap_memo = None
+
+    def _plan(self, seqs: Sequence[SequenceView], available: Mapping[str, bool] | None,
+              num_prefill_tokens: int, num_prefill_seqs: int) -> list[Decision]:
         live = [m for m in self.methods if available is None or available.get(m, False)]
         s = self.settings
         self._round += 1
@@ -931,10 +963,10 @@ class Controller:
         T = self.step_time
         assert T is not None, "policy goodput needs a step-time model (Engine.profile_step_time)"
         if not num_prefill_tokens:
-            return lambda n: T(n, num_seqs)
+            return _memo(lambda n: T(n, num_seqs))
         base = T(num_seqs, num_seqs)
         full = T.tokens_s(num_prefill_tokens + num_seqs)
-        return lambda n: base + T.tokens_s(num_prefill_tokens + n) - full
+        return _memo(lambda n: base + T.tokens_s(num_prefill_tokens + n) - full)
 
     def _goodput(self, seqs: Sequence[SequenceView], auto: list[int], decisions: list[Decision | None],
                  live: list[str], t: Callable[[float], float]) -> None:
@@ -1005,7 +1037,18 @@ class Controller:
         asked = self._best_prefix([(a * scale, 1.0, i, method, self._level(method, j))
                                    for i, method, est, scale, cap in cheap for j, a in enumerate(est.alphas(cap))],
                                   goodput, longest=True)
-        generous = {i: cap for i, _, _, _, cap in cheap if asked[i]}
+        # But the call holds the pass back by its round trip, which pays only if drafts come
+        # often enough: a method not called this round anyway is asked only if the drafts
+        # that would pay given that they come (the best prefix), each weighed by its
+        # sequence's share p of asks that return one, beat no call (`_pays_for_call`);
+        # `proposer_slow` otherwise, and shadow drafts, called beside the pass, keep measuring.
+        slow: set[int] = set()
+        for m in dict.fromkeys(method for _, method, _, _, _ in cheap):
+            mine = [(i, est, scale, cap) for i, method, est, scale, cap in cheap if method == m and asked[i]]
+            if mine and m not in fixed_methods and not self._pays_for_call(m, mine, goodput, t, fixed_tokens,
+                                                                             fixed_expected, fixed_methods):
+                slow.update(i for i, _, _, _ in mine)
+        generous = {i: cap for i, _, _, _, cap in cheap if asked[i] and i not in slow}
         for i, method, est, _, cap in cheap:
             if i in generous:
                 fixed_tokens += est.p * self.tokens(method, cap)
@@ -1035,18 +1078,47 @@ class Controller:
                 state.off_measured = self._estimate(state, chosen[i]).measured()
             self._mark(v.seq_id, None, on=False)
             key = chosen[i]
-            if best_d == 0 and key not in reasons:
+            if best_d == 0 and key not in reasons and i not in slow:
                 # k drafts of the batch: at least ceil(k / sequences) from one of them.
                 reasons[key] = self._why_nobody(t, total_cap, lambda k, m=key: self.latency_s(m, -(-k // len(caps))),
                                                 fixed_expected, fixed_tokens, self._calls_s(fixed_methods),
                                                 lambda k, m=key: self._batch_tokens(m, k, len(caps)))
             # With drafts elsewhere in the batch, others' drafts were simply worth more.
-            reason = "low_acceptance" if best_d > 0 else reasons[key]
+            reason = "proposer_slow" if i in slow else "low_acceptance" if best_d > 0 else reasons[key]
             state.off_reason = reason
             if reason in SHADOW_REASONS and self._can_shadow(v, other or chosen[i]):
                 decisions[i] = Decision(None, 0, reason, other or chosen[i], cap)
             else:
                 decisions[i] = Decision(None, 0, reason)
+
+    def _pays_for_call(self, method: str, asks: list[tuple[int, AcceptanceEstimate, float, int]], goodput,
+                       t: Callable[[float], float], tokens: float, expected: float,
+                       methods: Mapping[str, int]) -> bool:
+        """Whether calling cheap `method` for `asks` (auto index, estimate, hysteresis scale,
+        cap) beats not calling it, in expectation: the drafts of the best prefix given that
+        they come (`goodput`, p = 1), each sequence's weighed by its p (shrunk toward the
+        method-wide p like its acceptance, `AcceptanceEstimate.believed_p`), and the pass's time
+        the chord from no drafts to all of them, t(n) + p (t(n + w) - t(n)) with p their
+        token-weighted mean: exact for one sequence on any T (a draft comes or not), and
+        for many on a straight one. The curve at n + p w instead would spread a draft that
+        comes one round in ten over a step of T (see the module docstring)."""
+        best = self._best_prefix([(a * scale, 1.0, i, method, self._level(method, j))
+                                  for i, est, scale, cap in asks for j, a in enumerate(est.alphas(cap))], goodput)
+        gained = weighed = drafts = 0.0
+        for i, est, scale, _ in asks:
+            k = best[i]
+            w = float(self.tokens(method, k))
+            p = est.believed_p()
+            gained += p * scale * sum(est.alphas(k))
+            weighed += p * w
+            drafts += w
+        if not drafts:
+            return False
+        calls = dict(methods)
+        _ask(calls, method, max(cap for _, _, _, cap in asks))
+        base = t(tokens)
+        with_call = (expected + gained) / (base + weighed / drafts * (t(tokens + drafts) - base) + self._calls_s(calls))
+        return with_call > expected / (base + self._calls_s(methods))
 
     def _explore_k(self, ks: collections.Counter[int], chosen: Mapping[int, str], caps: Mapping[int, int]) -> None:
         """Until a costly method's call line is known (`ProposerLatency`: its calls' k have
@@ -1082,6 +1154,8 @@ class Controller:
         """The fewest tokens in which `num_seqs` sequences verify k drafting positions of
         `method` between them: k for a chain; for token trees, depth 1 of k sequences first
         (one tree level each), then depth 2, and so on."""
+        if not self._levels.get(method):
+            return k
         full, rest = divmod(k, max(num_seqs, 1))
         return num_seqs * self.tokens(method, full) + rest * self._level(method, full)
 
@@ -1111,9 +1185,15 @@ class Controller:
         """A method whose round trip for `max_k` drafts is at most `shadow_latency_share` of
         a lone decode step (e.g. n-gram lookup): asking it for more drafts than get verified
         is free."""
+        memo = self._cheap_memo
+        if memo is not None and method in memo:
+            return memo[method]
         s = self.settings
-        return self.step_time is not None and (
+        cheap = self.step_time is not None and (
             self.latency_s(method, max(s.max_k, 1)) <= s.shadow_latency_share * self.step_time(1))
+        if memo is not None:
+            memo[method] = cheap
+        return cheap
 
     def _can_shadow(self, v: SequenceView, method: str) -> bool:
         """Shadow drafts need greedy decoding (to score them from the output alone) and a
@@ -1176,6 +1256,20 @@ class Controller:
             return False
         self._probe_round[method] = self._round
         return True
+
+
+def _memo(f: Callable[[float], float]) -> Callable[[float], float]:
+    """f remembering its values: a round's walks evaluate the pass's time at the same token
+    counts again and again (a full batch of 32 has 256 draft positions to walk)."""
+    values: dict[float, float] = {}
+
+    def remembered(n: float) -> float:
+        v = values.get(n)
+        if v is None:
+            v = values[n] = f(n)
+        return v
+
+    return remembered
 
 
 def _between(values: Mapping[int, float], x: int) -> float:

@@ -260,6 +260,7 @@ class Engine:
                              + ", ".join(f"{m}: {'final' if v is None else list(v)}" for m, v in sorted(kinds.items())))
         self._hidden_layers = next(iter(kinds.values()), None)
         self._shadow_calls: list[asyncio.Future] = []
+        self._last_shadow_call: dict[str, int] = {}  # method -> the pass of its last shadow-only call
         self.controller = controller or Controller.off()
         if not self.controller.methods:
             self.controller.set_methods(tuple(self.proposers))
@@ -576,9 +577,15 @@ class Engine:
             work.asked_k = k
             by_method.setdefault(d.method, []).append((len(works) - 1, self._request(seq, d.method, k, carrier)))
         # Shadow drafts ride along in a method's call when it has one this round; a method
-        # asked only for shadows is called beside the pass (`step` awaits it before commit).
-        self._shadow_calls = [asyncio.ensure_future(self._shadow_call(m, reqs))
-                              for m, reqs in shadows.items() if m not in by_method]
+        # asked only for shadows is called beside the pass (`step` awaits it before commit),
+        # once every `shadow_interval` passes: the sequences due ask again the next pass.
+        interval = self.controller.settings.shadow_interval
+        self._shadow_calls = []
+        for m, reqs in shadows.items():
+            if m in by_method or self.stats.num_steps - self._last_shadow_call.get(m, -interval) < interval:
+                continue
+            self._last_shadow_call[m] = self.stats.num_steps
+            self._shadow_calls.append(asyncio.ensure_future(self._shadow_call(m, reqs)))
         if by_method:
             answers = await asyncio.gather(*(self._propose(m, [r for _, r in reqs] + [r for _, r in shadows.get(m, ())])
                                              for m, reqs in by_method.items()))

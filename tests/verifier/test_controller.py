@@ -356,6 +356,38 @@ def test_cheap_method_is_asked_for_the_cap_when_a_draft_would_pay():
     assert _one(seeded(0.0), SequenceView("s")) == Decision(None, 0, "low_acceptance")
 
 
+def test_a_cheap_method_is_not_called_when_its_drafts_come_too_seldom_to_pay_its_round_trip():
+    # c(j) = 0.5, so given a draft k drafts give S_k = 0.5, 0.75, 0.875, 0.9375, 0.96875
+    # and (1 + S_k) / (20.5 + 0.5 k + 1) peaks at k = 4: 1.9375 / 23.5 = 0.08245 (k = 3
+    # 0.08152, k = 5 0.08203); every k up to 8 beats 1 / 20.5 = 0.04878, so the cap is asked
+    # for. But the call holds the pass back by L = 1 ms each round, and the 4 drafts come in
+    # a share p of rounds only: (1 + 0.9375 p) / (20.5 + 2 p + 1) > 1 / 20.5 needs
+    # 17.21875 p > 1, p > 0.0581. p = 0.1: 1.09375 / 21.7 = 0.05040, asked; p = 0.05:
+    # 1.046875 / 21.6 = 0.04847, not called, and a greedy sequence shadow-drafts instead.
+    def seeded(p):
+        c = _controller(shadow_latency_share=1.0, sequence_share=1.0)
+        c._state("s").by_method["ngram"] = AcceptanceEstimate([0.5] * 8, p=p)
+        return c
+
+    assert _one(seeded(0.1), SequenceView("s", greedy=True)) == Decision("ngram", 8, "goodput")
+    assert _one(seeded(0.05), SequenceView("s", greedy=True)) == Decision(None, 0, "proposer_slow", "ngram", 8)
+    assert _one(seeded(0.05), SequenceView("s")) == Decision(None, 0, "proposer_slow")
+    # A sequence's p counts like its acceptance, `sequence_share` (0.5) of its departure from
+    # the method-wide p: own 0.02 (a dozen rounds without a match), method-wide 0.3, so
+    # 0.3 + 0.5 (0.02 - 0.3) = 0.16 > 0.0581, asked; alone (share 1) 0.02, not called.
+    for share, asked in ((0.5, True), (1.0, False)):
+        c = _controller(shadow_latency_share=1.0, sequence_share=share)
+        c._global["ngram"] = AcceptanceEstimate([0.5] * 8, p=0.3)
+        c._state("s").by_method["ngram"] = AcceptanceEstimate([0.5] * 8, p=0.02)
+        assert (_one(c, SequenceView("s")).k == 8) is asked
+    # With the method called this round anyway (another request pins it on), asking costs
+    # nothing more: with t(6) = 23 ms for the pinned sequence's 4 drafts, a first draft at
+    # p = 1 gives 2.5 / (23.5 + 1) = 0.1020 > 2 / (23 + 1) = 0.0833, and so on to the cap.
+    c = seeded(0.05)
+    decisions = c.plan([SequenceView("pinned", mode="on", method="ngram"), SequenceView("s", greedy=True)])
+    assert decisions == [Decision("ngram", 4, "request_on"), Decision("ngram", 8, "goodput")]
+
+
 def test_proposer_latency_is_a_line_in_k_once_k_has_varied():
     lat = ProposerLatency(ewma=0.2)
     assert lat(4) == 0.0  # no call yet
@@ -812,6 +844,8 @@ def test_settings_are_checked():
         ControllerSettings(batch_table=((1, 4), (1, 2)))
     with pytest.raises(ValueError, match="sequence_share"):
         ControllerSettings(sequence_share=1.5)
+    with pytest.raises(ValueError, match="shadow_interval"):
+        ControllerSettings(shadow_interval=0)
 
 
 # ---------------------------------------------------------------------- method choice

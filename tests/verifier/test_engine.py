@@ -371,8 +371,8 @@ class _ShadowOnlyController(Controller):
     """Never verifies a draft; asks n-gram for a shadow draft of 4 every round (the engine
     asks only when none is pending) and records what the engine reports back."""
 
-    def __init__(self):
-        super().__init__(ControllerSettings(policy="goodput"), ("ngram",))
+    def __init__(self, **settings):
+        super().__init__(ControllerSettings(policy="goodput", **settings), ("ngram",))
         self.observed: list[tuple[int, int]] = []
 
     def plan(self, seqs, available=None, num_prefill_tokens=0, num_prefill_seqs=0):
@@ -431,6 +431,21 @@ def test_shadow_drafts_are_scored_against_the_output(model, tokenizer, code_prom
     assert controller.observed == want
     assert sum(n for n, _ in want) > 0 and sum(m for _, m in want) > 0  # the prompt is quoted: drafts match
     assert engine.stats.num_shadow_tokens == sum(n for n, _ in want)
+
+
+def test_a_call_for_shadow_drafts_only_comes_once_every_shadow_interval_passes(model, tokenizer, code_prompt,
+                                                                                plain):
+    """Called for shadows alone, the proposer is asked once every `shadow_interval` passes
+    at most (each pass here emits one token, so the asks' contexts grow by the interval at
+    least); at interval 1 it is asked whenever no shadow is pending, closer together."""
+    gaps = {}
+    for interval in (1, 3):
+        _, proposer, _ = _shadow_run(model, tokenizer, code_prompt, plain, _ShadowOnlyController(shadow_interval=interval))
+        lengths = [n for n, _ in proposer.asks]
+        assert len(lengths) >= 5
+        gaps[interval] = [b - a for a, b in zip(lengths, lengths[1:])]
+    assert min(gaps[3]) >= 3
+    assert min(gaps[1]) < 3
 
 
 class _CutEverythingController(_ShadowOnlyController):
