@@ -734,7 +734,9 @@ class Controller:
         >>> _ = c.trim([("s", "eagle", 2, "static")], levels=[[3, 6]]); c.tokens("eagle", 3)
         15
         """
-        return k if method is None else sum(self._level(method, j) for j in range(k))
+        if method is None or not self._levels.get(method):
+            return k  # a chain (no tree seen): one token a depth
+        return sum(self._level(method, j) for j in range(k))
 
     def _level(self, method: str, j: int) -> int:
         """Draft tokens at depth j + 1 of `method`'s rounds (1 for a chain)."""
@@ -1154,8 +1156,6 @@ class Controller:
         """The fewest tokens in which `num_seqs` sequences verify k drafting positions of
         `method` between them: k for a chain; for token trees, depth 1 of k sequences first
         (one tree level each), then depth 2, and so on."""
-        if not self._levels.get(method):
-            return k
         full, rest = divmod(k, max(num_seqs, 1))
         return num_seqs * self.tokens(method, full) + rest * self._level(method, full)
 
