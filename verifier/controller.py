@@ -590,7 +590,7 @@ class AcceptanceEstimate:
         out = self.own_values(k)
         if self.toward is None or self.own_share == 1.0:
             return out
-        return [g + self.own_share * (c - g) for c, g in zip(out, self.toward.values(len(out)))]
+        return [self._shrunk(c, g) for c, g in zip(out, self.toward.values(len(out)))]
 
     def believed_p(self) -> float:
         """p as `values` gives c: `toward`'s plus `own_share` of this estimate's departure
@@ -599,7 +599,11 @@ class AcceptanceEstimate:
         while matches come again later."""
         if self.toward is None or self.own_share == 1.0:
             return self.p
-        return self.toward.p + self.own_share * (self.p - self.toward.p)
+        return self._shrunk(self.p, self.toward.p)
+
+    def _shrunk(self, own: float, toward: float) -> float:
+        """`toward` plus `own_share` of `own`'s departure from it."""
+        return toward + self.own_share * (own - toward)
 
     def own_values(self, k: int | None = None) -> list[float]:
         out: list[float] = []
