@@ -1040,9 +1040,9 @@ class Controller:
         # once the drafts (or their absence) are known. Whether they pay is judged over every
         # cheap sequence together: on a step-shaped T a full batch pads a single draft to a
         # whole step of rows, which no sequence's drafts pay for alone but a batch's do.
-        asked = self._best_prefix([(a * scale, 1.0, i, method, self._level(method, j))
-                                   for i, method, est, scale, cap in cheap for j, a in enumerate(est.alphas(cap))],
-                                  goodput, longest=True)
+        given_they_come = [(a * scale, 1.0, i, method, self._level(method, j))
+                           for i, method, est, scale, cap in cheap for j, a in enumerate(est.alphas(cap))]
+        asked = self._best_prefix(given_they_come, goodput, longest=True)
         # But the call holds the pass back by its round trip, which pays only if drafts come
         # often enough: a method not called this round anyway is asked only if the drafts
         # that would pay given that they come (the best prefix), each weighed by its
@@ -1051,8 +1051,9 @@ class Controller:
         slow: set[int] = set()
         for m in dict.fromkeys(method for _, method, _, _, _ in cheap):
             mine = [(i, est, scale, cap) for i, method, est, scale, cap in cheap if method == m and asked[i]]
-            if mine and m not in fixed_methods and not self._pays_for_call(m, mine, goodput, t, fixed_tokens,
-                                                                             fixed_expected, fixed_methods):
+            if mine and m not in fixed_methods and not self._pays_for_call(
+                    m, mine, [c for c in given_they_come if c[3] == m and asked[c[2]]], goodput, t, fixed_tokens,
+                    fixed_expected, fixed_methods):
                 slow.update(i for i, _, _, _ in mine)
         generous = {i: cap for i, _, _, _, cap in cheap if asked[i] and i not in slow}
         for i, method, est, _, cap in cheap:
@@ -1097,19 +1098,20 @@ class Controller:
             else:
                 decisions[i] = Decision(None, 0, reason)
 
-    def _pays_for_call(self, method: str, asks: list[tuple[int, AcceptanceEstimate, float, int]], goodput,
+    def _pays_for_call(self, method: str, asks: list[tuple[int, AcceptanceEstimate, float, int]],
+                       candidates: list[tuple[float, float, int, str, int]], goodput,
                        t: Callable[[float], float], tokens: float, expected: float,
                        methods: Mapping[str, int]) -> bool:
         """Whether calling cheap `method` for `asks` (auto index, estimate, hysteresis scale,
-        cap) beats not calling it, in expectation: the drafts of the best prefix given that
-        they come (`goodput`, p = 1), each sequence's weighed by its p (shrunk toward the
-        method-wide p like its acceptance, `AcceptanceEstimate.believed_p`), and the pass's time
+        cap) beats not calling it, in expectation: the drafts of the best prefix of their
+        `candidates` (the positions `_goodput` walked, p = 1: given that they come), each
+        sequence's weighed by its p (shrunk toward the method-wide p like its acceptance,
+        `AcceptanceEstimate.believed_p`), and the pass's time
         the chord from no drafts to all of them, t(n) + p (t(n + w) - t(n)) with p their
         token-weighted mean: exact for one sequence on any T (a draft comes or not), and
         for many on a straight one. The curve at n + p w instead would spread a draft that
         comes one round in ten over a step of T (see the module docstring)."""
-        best = self._best_prefix([(a * scale, 1.0, i, method, self._level(method, j))
-                                  for i, est, scale, cap in asks for j, a in enumerate(est.alphas(cap))], goodput)
+        best = self._best_prefix(candidates, goodput)
         gained = weighed = drafts = 0.0
         for i, est, scale, _ in asks:
             k = best[i]
