@@ -87,6 +87,12 @@ class ProposerConfig(_Strict):
     """One proposer deployment."""
 
     method: str = Field(..., description="Registered proposal method, e.g. 'ngram'.")
+    placement: Literal["deployment", "verifier"] = Field(
+        "deployment", description="'deployment': its own Serve deployment, reached over gRPC, with its own "
+        "replicas, resources and autoscaling; 'verifier': built inside each verifier replica and called "
+        "in-process (no round trip, as vLLM runs n-gram lookup in its worker), sharing the verifier's CPUs and "
+        "scaling with it. Suits n-gram lookup, which drafts in well under a millisecond; a model proposer "
+        "placed there takes its compute from the verifier's passes.")
     options: dict[str, Any] = Field(default_factory=dict, description="Method options, e.g. {min_n: 2, max_n: 4} for ngram, {tree: [3, 2, 1]}, {dynamic_tree: 4} or {dynamic_tree: 4, tree_budget: 15} for draft or eagle.")
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of a model proposer (draft, eagle); null = Ray's default, "
@@ -144,6 +150,17 @@ class ProposerConfig(_Strict):
             if isinstance(subset, bool) or not isinstance(subset, int) or subset < 1:
                 raise ValueError(f"options.vocab_subset must be a number of tokens >= 1, e.g. 32768 "
                                  f"(given: {subset!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _placed_in_the_verifier(self) -> "ProposerConfig":
+        if self.placement == "verifier":
+            default = ProposerConfig.model_fields
+            for name in ("replicas", "num_threads", "resources", "autoscaling"):
+                if getattr(self, name) != default[name].default:
+                    raise ValueError(f"{name}: a proposer with placement 'verifier' runs inside each verifier "
+                                     f"replica, with its CPUs, threads and replicas; remove {name} or use "
+                                     f"placement 'deployment'")
         return self
 
     @model_validator(mode="after")

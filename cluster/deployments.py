@@ -5,8 +5,9 @@
 
 Proposer replicas run a grpc.aio server in their own thread and announce its address in
 the application's `ProposerDirectory`; the verifier polls the directory and routes each
-sequence to one replica (`verifier.routing`). Serve handles are used only once per
-request, never per round.
+sequence to one replica (`verifier.routing`). A proposer with `placement: verifier` has no
+deployment: each verifier replica builds it and calls it in-process, through the same
+`ProposalSource` protocol. Serve handles are used only once per request, never per round.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class VerifierReplica:
         from cluster.local import engine_from_config, load_model_and_tokenizer, verifier_threads
         from cluster.metrics import RayEngineMetrics
         from verifier.models.vocab import VocabFingerprint
-        from proposers.registry import NEEDS_HIDDEN_STATES, hidden_state_layers
+        from proposers.registry import NEEDS_HIDDEN_STATES, build_proposer, hidden_state_layers
         from verifier.routing import RoutedProposalSource
         from verifier.server import VerifierServer
 
@@ -159,19 +160,24 @@ class VerifierReplica:
         if threads:
             torch.set_num_threads(threads)
         model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.tokenizer, cfg.model.dtype)
-        # deployment name of each method, from the handles Serve passed in
-        self._proposer_deployments = {p.method: h.deployment_name for p, h in zip(cfg.proposers, proposers)}
+        # deployment name of each deployed method, from the handles Serve passed in (`build_app`)
+        deployed = [p for p in cfg.proposers if p.placement == "deployment"]
+        self._proposer_deployments = {p.method: h.deployment_name for p, h in zip(deployed, proposers)}
         vocab = VocabFingerprint.of(tokenizer)  # model proposers with another vocabulary are refused
-        options = {p.method: dict(p.options) for p in cfg.proposers}
         self._routers = {
-            m: RoutedProposalSource(m, deadline_s=v.proposer_deadline_ms / 1000.0, target_vocab=vocab,
-                                    needs_hidden_states=m in NEEDS_HIDDEN_STATES,
-                                    hidden_state_layers=hidden_state_layers(m, options[m], model.config.num_layers))
-            for m in self._proposer_deployments
+            p.method: RoutedProposalSource(
+                p.method, deadline_s=v.proposer_deadline_ms / 1000.0, target_vocab=vocab,
+                needs_hidden_states=p.method in NEEDS_HIDDEN_STATES,
+                hidden_state_layers=hidden_state_layers(p.method, dict(p.options), model.config.num_layers))
+            for p in deployed
         }
+        # Proposers placed in this replica: called in-process, through the same protocol.
+        self._in_process = {p.method: build_proposer(p.method, dict(p.options))
+                            for p in cfg.proposers if p.placement == "verifier"}
+        sources = {p.method: self._routers.get(p.method) or self._in_process[p.method] for p in cfg.proposers}
         methods = tuple(self._routers)
         app_name = serve.get_replica_context().app_name
-        engine = engine_from_config(cfg, model, tokenizer, self._routers, RayEngineMetrics(app_name))
+        engine = engine_from_config(cfg, model, tokenizer, sources, RayEngineMetrics(app_name))
         self.server = VerifierServer(engine, served_model_name(cfg))
         self._seen = {m: False for m in methods}
         self._directory = get_directory(app_name) if methods else None
@@ -204,16 +210,21 @@ class VerifierReplica:
         out["replica_id"] = serve.get_replica_context().replica_id.unique_id
         out["pid"] = os.getpid()
         out["proposers"] = {
-            m: {"replicas": r.addresses, "live": r.live_addresses(), "refused": dict(r.refused), **r.stats.__dict__}
+            m: {"placement": "deployment", "replicas": r.addresses, "live": r.live_addresses(),
+                "refused": dict(r.refused), **r.stats.__dict__}
             for m, r in self._routers.items()
         }
+        for m, source in self._in_process.items():
+            out["proposers"][m] = {"placement": "verifier", "active_sequences": getattr(source, "num_sequences", 0)}
         return out
 
     def health(self) -> dict[str, Any]:
-        """Ready once every proposer deployment has been seen at least once."""
+        """Ready once every proposer deployment has been seen at least once. `proposers`:
+        live replicas per method; a proposer placed in this replica counts as 1."""
         return {
             "ready": all(self._seen.values()),
-            "proposers": {m: len(r.live_addresses()) for m, r in self._routers.items()},
+            "proposers": {m: 1 if m in self._in_process else len(self._routers[m].live_addresses())
+                          for m in self.server.engine.proposers},
             "num_running": self.server.engine.num_running,
             "num_waiting": self.server.engine.num_waiting,
         }
@@ -248,6 +259,8 @@ def build_app(config: SplitspecConfig):
 
     proposer_apps = []
     for p in config.proposers:
+        if p.placement == "verifier":  # built inside each verifier replica
+            continue
         actor_options = _actor_options(p.resources)
         if p.autoscaling is not None:
             # Report load twice per look-back window (Serve's default push is every 10 s,

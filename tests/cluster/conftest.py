@@ -147,9 +147,11 @@ def autoscale_app(serve_cluster) -> ServedApp:
 def model_proposers_app(serve_cluster) -> ServedApp:
     """The trained draft model and EAGLE head (proposers/assets/; the eagle default, the
     EAGLE-3 head), each its own deployment talking gRPC to the verifier, which sends the
-    EAGLE one the target's hidden states (entering layers 2, 15 and 27)."""
+    EAGLE one the target's hidden states (entering layers 2, 15 and 27); and n-gram lookup
+    placed in the verifier replica, called in-process."""
     return _deploy(serve_cluster, "models", "/models", {
         "proposers": [{"method": "draft", "num_threads": 2, "resources": {"num_cpus": 0.25}},
+                      {"method": "ngram", "placement": "verifier"},
                       {"method": "eagle", "resources": {"num_cpus": 0.25}}],
         "verifier": {**_VERIFIER, "max_num_seqs": 4, "max_model_len": 1024, "max_waiting": 4,
                      "proposer_deadline_ms": 2000, "resources": {"num_cpus": 0.5}},

@@ -57,6 +57,19 @@ def test_no_proposers_means_no_proposer_deployment():
     assert set(deps) == {"Ingress", "Verifier"}
 
 
+def test_a_proposer_placed_in_the_verifier_has_no_deployment():
+    config = SplitspecConfig.model_validate({"proposers": [
+        {"method": "ngram", "placement": "verifier"}, {"method": "eagle", "resources": {"num_cpus": 0.25}}]})
+    deps = _deployments(build_app(config))
+    assert set(deps) == {"Ingress", "Verifier", "Proposer-eagle"}
+    # The verifier gets the handle of the one deployed proposer, and every proposer's config.
+    verifier_args = deps["Verifier"].init_args
+    assert [a._bound_deployment.name for a in verifier_args if isinstance(a, Application)] == ["Proposer-eagle"]
+    assert [p["placement"] for p in verifier_args[0]["proposers"]] == ["verifier", "deployment"]
+    # The rendered config (every field, defaults included) validates back.
+    assert SplitspecConfig.model_validate(config.model_dump(mode="json")) == config
+
+
 def test_app_builder_takes_a_path_or_inline_sections(tmp_path):
     assert set(_deployments(app_builder({"config": str(LOCAL_CONFIG_PATH)}))) == {"Ingress", "Verifier", "Proposer-ngram"}
     inline = app_builder({"proposers": [], "verifier": {"max_num_seqs": 2}})

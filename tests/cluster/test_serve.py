@@ -632,6 +632,30 @@ def test_model_proposers_deploy_and_stay_exact(model_proposers_app, tokenizer, g
     assert spec["rounds_with_drafts"] > 0 and spec["accepted"] > 0
 
 
+def test_a_proposer_placed_in_the_verifier_drafts_in_process_and_stays_exact(model_proposers_app, tokenizer, greedy,
+                                                                           edit_conversations):
+    """n-gram lookup with `placement: verifier` has no deployment of its own; the verifier
+    calls it in-process, and a request pinned to it gets the plain greedy output."""
+    from ray import serve
+
+    deployments = serve.status().applications[model_proposers_app.name].deployments
+    assert set(deployments) == {"Ingress", "Verifier", "Proposer-draft", "Proposer-eagle"}
+    health = httpx.get(model_proposers_app.health_url, timeout=10).json()
+    assert health["ready"] is True and health["proposers"] == {"draft": 1, "ngram": 1, "eagle": 1}
+    conversation = edit_conversations[0]  # the answer quotes the code: lookup finds drafts
+    want = greedy([tokenizer.encode(tokenizer.apply_chat_template(conversation))])[0]
+    r = _client(model_proposers_app).chat.completions.create(
+        model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"speculation": {"mode": "on", "method": "ngram", "max_k": 4}, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want
+    spec = r.model_extra["speculation"]
+    assert spec["rounds_by_method"] == {"ngram": spec["rounds_with_drafts"]}
+    assert spec["rounds_with_drafts"] > 0 and spec["accepted"] > 0
+    stats = model_proposers_app.verifier().stats.remote().result()["proposers"]
+    assert stats["ngram"]["placement"] == "verifier" and stats["draft"]["placement"] == "deployment"
+    assert stats["eagle"]["live"] and "live" not in stats["ngram"]
+
+
 def test_a_model_proposers_threads_are_configurable(model_proposers_app):
     """`num_threads` sets a model proposer replica's torch threads; without it, the replica
     keeps Ray's cap for its num_cpus of 0.25 (one thread)."""
