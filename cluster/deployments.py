@@ -174,7 +174,8 @@ class VerifierReplica:
         # Proposers placed in this replica: called in-process, through the same protocol.
         self._in_process = {p.method: build_proposer(p.method, dict(p.options))
                             for p in cfg.proposers if p.placement == "verifier"}
-        sources = {p.method: self._routers.get(p.method) or self._in_process[p.method] for p in cfg.proposers}
+        sources = {p.method: self._routers[p.method] if p.method in self._routers else self._in_process[p.method]
+                   for p in cfg.proposers}  # in the config's order
         methods = tuple(self._routers)
         app_name = serve.get_replica_context().app_name
         engine = engine_from_config(cfg, model, tokenizer, sources, RayEngineMetrics(app_name))
