@@ -323,6 +323,7 @@ class StepTimeModel:
         self.per_seq_s = per_seq_s
         self.ewma = ewma
         self.rows = rows
+        self._rows_s: dict[int, float] = {}  # `_row_s`
         #: S(b) learned from passes of b > 1 sequences (`observe`).
         self.seq_s_by_batch: dict[int, float] = {}
         #: X(b): what a draft token adds beyond T_tokens' slope at b sequences (learned).
@@ -342,10 +343,18 @@ class StepTimeModel:
         if self.rows is None:
             return self._interp(n)
         lo = math.floor(n)
-        t_lo = self._interp(self.rows(lo)) if lo >= 1 else self._interp(1)
+        t_lo = self._row_s(lo)
         if n == lo:
             return t_lo
-        return t_lo + (self._interp(self.rows(lo + 1)) - t_lo) * (n - lo)
+        return t_lo + (self._row_s(lo + 1) - t_lo) * (n - lo)
+
+    def _row_s(self, n: int) -> float:
+        """T_tokens at a whole token count, padded to `rows(n)`; remembered, as the points
+        never change after `__init__` (a plan prices hundreds of counts)."""
+        t = self._rows_s.get(n)
+        if t is None:
+            t = self._rows_s[n] = self._interp(self.rows(n)) if n >= 1 else self._interp(1)
+        return t
 
     def _interp(self, n: float) -> float:
         ns, ts = self.n, self.t
@@ -385,6 +394,12 @@ class StepTimeModel:
 
     def __call__(self, n: float, b: int = 1) -> float:
         return max(self.tokens_s(n) + self.seq_s(b) + self.draft_s(b) * max(n - b, 0.0), 1e-6)
+
+    def at_batch(self, b: int) -> Callable[[float], float]:
+        """n -> T(n, b), the same values, for one plan's many evaluations at one batch size:
+        S(b) and X(b) are read once (the model must not learn meanwhile)."""
+        seq, draft, tokens_s = self.seq_s(b), self.draft_s(b), self.tokens_s
+        return lambda n: max(tokens_s(n) + seq + draft * max(n - b, 0.0), 1e-6)
 
     def observe(self, n: int, b: int, seconds: float, num_drafts: int | None = None) -> None:
         """A pass of n tokens of b sequences took `seconds`; `num_drafts`: its draft tokens
@@ -969,7 +984,7 @@ class Controller:
         T = self.step_time
         assert T is not None, "policy goodput needs a step-time model (Engine.profile_step_time)"
         if not num_prefill_tokens:
-            return _memo(lambda n: T(n, num_seqs))
+            return _memo(T.at_batch(num_seqs))
         base = T(num_seqs, num_seqs)
         full = T.tokens_s(num_prefill_tokens + num_seqs)
         return _memo(lambda n: base + T.tokens_s(num_prefill_tokens + n) - full)
@@ -1028,12 +1043,18 @@ class Controller:
                 candidates.extend((a * scale, est.p, i, method, self._level(method, j))
                                   for j, a in enumerate(est.alphas(cap)))
 
+        calls_s: dict[tuple, float] = {}  # the calls' time by (fixed asks, asks): a walk repeats them
+
         def goodput(gained: float, tokens: float, methods: dict[str, int]) -> float:
             # Over what is fixed when it is called (the cheap asks are fixed before the rest).
-            calls = dict(fixed_methods)
-            for m, k in methods.items():
-                _ask(calls, m, k)
-            return (fixed_expected + gained) / (t(fixed_tokens + tokens) + self._calls_s(calls))
+            key = (tuple(fixed_methods.items()), tuple(methods.items()))
+            seconds = calls_s.get(key)
+            if seconds is None:
+                calls = dict(fixed_methods)
+                for m, k in methods.items():
+                    _ask(calls, m, k)
+                seconds = calls_s[key] = self._calls_s(calls)
+            return (fixed_expected + gained) / (t(fixed_tokens + tokens) + seconds)
 
         # A cheap method is asked for the whole cap whenever its drafts would pay, assuming
         # its proposer has one: asking costs next to nothing, and `trim` shares the pass out

@@ -85,6 +85,27 @@ def test_step_time_prices_a_pass_at_its_padded_row_count():
     assert m.points()[2:4] == [(8, pytest.approx(0.085)), (16, pytest.approx(0.100))]
 
 
+@pytest.mark.parametrize("padded", [True, False])
+def test_step_time_at_one_batch_size_prices_as_the_model_does(padded):
+    """`at_batch(b)`, which a plan evaluates hundreds of times, gives T(n, b) exactly, with
+    S(b) and X(b) learned at some batch sizes and read between them at others."""
+    def rows(n: int) -> int:
+        return n if n <= 1 else 4 if n <= 4 else 8 if n <= 8 else 16 if n <= 16 else -(-n // 8) * 8
+
+    m = StepTimeModel([(1, 0.070), (4, 0.075), (8, 0.085), (16, 0.100), (32, 0.160), (64, 0.250)],
+                      per_seq_s=0.001, rows=rows if padded else None)
+    rng = random.Random(3)
+    for _ in range(60):  # passes of 8 and 32 sequences with varying drafts: S(b) and X(b) learned
+        for b in (8, 32):
+            d = rng.randrange(0, 24)
+            m.observe(b + d, b, m(b + d, b) * rng.uniform(0.9, 1.3), num_drafts=d)
+    assert m.draft_s(8) > 0 and m.draft_s(32) > 0
+    for b in (1, 8, 20, 32, 40):
+        priced = m.at_batch(b)
+        for n in [b + x / 4 for x in range(0, 200)] + [b + rng.uniform(0, 50) for _ in range(50)]:
+            assert priced(n) == m(n, b), (b, n)
+
+
 def test_step_time_learns_what_sequences_add_at_each_batch_size():
     m = StepTimeModel([(1, 0.010), (8, 0.012), (32, 0.040), (96, 0.120)], per_seq_s=0.002, ewma=0.5)
     assert m(8, b=8) == pytest.approx(0.012 + 7 * 0.002)  # the profiled prior: 26 ms
