@@ -84,7 +84,7 @@ class TargetConfig(_Strict):
 
 
 class ProposerConfig(_Strict):
-    """One proposer deployment."""
+    """One proposer: its own Serve deployment, or built inside the verifier (`placement`)."""
 
     method: str = Field(..., description="Registered proposal method, e.g. 'ngram'.")
     placement: Literal["deployment", "verifier"] = Field(
@@ -303,7 +303,7 @@ class SplitspecConfig(_Strict):
 
     model: TargetConfig = Field(TargetConfig(), description="The target model.")
     proposers: tuple[ProposerConfig, ...] = Field(
-        (ProposerConfig(method="ngram"),), description="Proposer deployments; empty = no speculation.")
+        (ProposerConfig(method="ngram"),), description="Proposers, each its own deployment unless placed in the verifier; empty = no speculation.")
     verifier: VerifierConfig = Field(VerifierConfig(), description="The verifier deployment.")
     controller: ControllerConfig = Field(ControllerConfig(), description="The speculation policy.")
     api: ApiConfig = Field(ApiConfig(), description="Ingress and metrics ports.")
