@@ -157,3 +157,22 @@ def model_proposers_app(serve_cluster) -> ServedApp:
                      "proposer_deadline_ms": 2000, "resources": {"num_cpus": 0.5}},
         "controller": {"policy": "goodput", "k": 4, "max_k": 4},
     })
+
+
+@pytest.fixture
+def eagle_in_verifier_app(serve_cluster):
+    """The committed EAGLE head placed in the verifier replica (`placement: verifier`): built
+    there beside the target, handed its hidden states in-process. Deleted after the test,
+    so its replica's CPU share and memory go back to the session's other apps."""
+    from ray import serve
+
+    app = _deploy(serve_cluster, "eagle-in-verifier", "/eagle-in-verifier", {
+        "proposers": [{"method": "eagle", "placement": "verifier"}],
+        "verifier": {**_VERIFIER, "max_num_seqs": 4, "max_model_len": 1024, "max_waiting": 4,
+                     "resources": {"num_cpus": 0.25}},
+        "controller": {"policy": "goodput", "k": 4, "max_k": 4},
+    })
+    try:
+        yield app
+    finally:
+        serve.delete(app.name)

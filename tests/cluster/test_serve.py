@@ -656,6 +656,38 @@ def test_a_proposer_placed_in_the_verifier_drafts_in_process_and_stays_exact(mod
     assert stats["eagle"]["live"] and "live" not in stats["ngram"]
 
 
+@pytest.mark.slow
+def test_a_model_proposer_placed_in_the_verifier_drafts_as_its_deployment_does(model_proposers_app,
+                                                                               eagle_in_verifier_app, tokenizer,
+                                                                               greedy):
+    """The EAGLE head placed in the verifier (no deployment, the target's hidden states
+    handed over in-process) gets the plain greedy output, and drafts and accepts exactly
+    as the same head served as its own deployment over gRPC (models app) for the same
+    request: where a proposer runs does not change what it proposes."""
+    from ray import serve
+
+    from cluster.workloads import load_conversations
+
+    deployments = serve.status().applications[eagle_in_verifier_app.name].deployments
+    assert set(deployments) == {"Ingress", "Verifier"}
+    assert httpx.get(eagle_in_verifier_app.health_url, timeout=10).json()["proposers"] == {"eagle": 1}
+    conversation = load_conversations("chat")[1]
+    want = greedy([tokenizer.encode(tokenizer.apply_chat_template(conversation))])[0]
+    got = {}
+    for app in (eagle_in_verifier_app, model_proposers_app):
+        r = _client(app).chat.completions.create(
+            model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"speculation": {"mode": "on", "method": "eagle", "max_k": 4}, "return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == want, app.name
+        spec = r.model_extra["speculation"]
+        assert spec["rounds_by_method"] == {"eagle": spec["rounds_with_drafts"]}, app.name
+        got[app.name] = (spec["drafted"], spec["accepted"], spec["rounds_with_drafts"])
+    assert got[eagle_in_verifier_app.name] == got[model_proposers_app.name]
+    assert got[model_proposers_app.name][1] > 0
+    stats = eagle_in_verifier_app.verifier().stats.remote().result()["proposers"]
+    assert stats == {"eagle": {"placement": "verifier", "active_sequences": 0}}
+
+
 def test_a_model_proposers_threads_are_configurable(model_proposers_app):
     """`num_threads` sets a model proposer replica's torch threads; without it, the replica
     keeps Ray's cap for its num_cpus of 0.25 (one thread)."""
