@@ -261,7 +261,7 @@ class Decision:
 class StepTimeModel:
     """T(n, b): seconds of one verifier pass over n tokens of b sequences,
 
-        T(n, b) = T_tokens(n) + S(b) + X(b) * (n - b)
+        T(n, b) = T_tokens(n) + S(b) + X(b) * (n - b) + Z(b) * min(n - b, 1)   (n > b)
 
     T_tokens piecewise linear between points measured on one sequence (extrapolated along
     the last segment). S(b) is what b sequences cost beyond one sequence of the same token
@@ -270,6 +270,10 @@ class StepTimeModel:
     yet. Drafts add tokens, not sequences, so their cost is T_tokens' slope plus X(b), what a
     draft costs beyond it in a pass of b sequences (its attention over its own sequence's
     context, the verification rounds' attention apart from the decodes'): 0 until learned.
+    Z(b) is what a pass pays once for verifying any draft at all (its rounds' attention
+    runs as groups of its own, their keys and values gathered, in every layer: measured
+    at 8 sequences over 300 positions, 24 tokens a pass, 84.0 ms as 8 rounds of 3 against
+    86.7-90.4 ms spread as 9-9-1-..., 7-7-5-1-... or 9-5-4-2-1-...): 0 until learned.
     `rows(n)` is the row count a pass of n tokens really runs at (the CPU verifier pads its GEMMs,
     `LlamaModel.gemm_rows`): an integer n is priced at `rows(n)`, so T is flat between
     padded sizes, and a fractional (expected) n between its two integer neighbours.
@@ -279,9 +283,20 @@ class StepTimeModel:
     together: a least squares line of the error against d over the recent passes at b
     (moments decayed by `fit_decay` per pass), X(b) >= 0 and kept as it is while d has
     varied too little to tell (variance under `FIT_MIN_VAR`). So X(b) is learned where
-    drafts come and go. A batch size with no X(b) of its own takes it from the nearest that
-    have one (linearly between them, flat beyond), and one never run without prompts takes
-    S(b) the same way from those that have (with S(1) as the lowest; beyond the largest,
+    drafts come and go. Where the recent passes at b hold both passes without drafts and
+    passes with drafts of varied count (each side `FIT_MIN_WEIGHT` passes' weight and
+    `FIT_MIN_SHARE` of the whole), the fit adds Z(b): S(b) is then the mean error of the
+    passes without drafts, X(b) the slope among those with drafts and Z(b) >= 0 what
+    their line lies above S(b). Fitted as one line through both kinds, that step tilts
+    the line: on chat at 32 clients in one process, where auto drafted in one pass in
+    three, a pass of 1-4 drafts ran 2-3 ms over its price: the first drafts of a pass
+    looked cheaper than they were. Elsewhere the line is fitted to the error less the
+    last learned Z(b). (S(b) moving while only passes with drafts come, the other side's
+    mean goes stale: the move is read as one of Z(b) for the few passes until that
+    side's share falls under `FIT_MIN_SHARE`, and undone once passes without drafts come
+    back.) A batch size with no X(b) of its own takes it from the nearest that have one
+    (linearly between them, flat beyond; Z(b) likewise), and one never run without
+    prompts takes S(b) the same way from those that have (with S(1) as the lowest; beyond the largest,
     that one's plus the profiled `per_seq_s` a sequence). The profile's S(b) is one
     sequence's attention times b and far below a batch's: at 32 clients on code_edit in
     one process (`engine-bench --continuous`, every pass logged), the batch sizes first
@@ -312,6 +327,8 @@ class StepTimeModel:
     """
 
     FIT_MIN_VAR = 4.0  # draft tokens squared
+    FIT_MIN_WEIGHT = 3.0  # decayed passes
+    FIT_MIN_SHARE = 0.2  # of the decayed passes, on each side
 
     def __init__(self, points: Sequence[tuple[int, float]], per_seq_s: float = 0.0, ewma: float = 0.2,
                  rows: Callable[[int], int] | None = None, fit_decay: float = 0.05) -> None:
@@ -328,8 +345,11 @@ class StepTimeModel:
         self.seq_s_by_batch: dict[int, float] = {}
         #: X(b): what a draft token adds beyond T_tokens' slope at b sequences (learned).
         self.draft_s_by_batch: dict[int, float] = {}
+        #: Z(b): what verifying any draft adds to a pass of b sequences, once (learned).
+        self.drafts_step_s_by_batch: dict[int, float] = {}
         self.fit_decay = fit_decay
-        # Per b: decayed moments (weight, d, e, d^2, d e) of the draft count d and the error e.
+        # Per b: decayed moments (weight, d, e, d^2, d e, g, g e) of the draft count d, the
+        # error e and g = 1 for a pass with drafts (g d = d: the moments of g d are d's).
         self._moments: dict[int, list[float]] = {}
         for j in range(1, len(self.t)):  # non-decreasing
             self.t[j] = max(self.t[j], self.t[j - 1])
@@ -392,14 +412,29 @@ class StepTimeModel:
             return learned or 0.0
         return _between(self.draft_s_by_batch, b)
 
+    def drafts_step_s(self, b: int) -> float:
+        """Z(b): what verifying any draft adds once to a pass of b sequences (interpolated
+        between the batch sizes it is learned at, as X(b); 0 before any)."""
+        learned = self.drafts_step_s_by_batch.get(b)
+        if learned is not None or not self.drafts_step_s_by_batch:
+            return learned or 0.0
+        return _between(self.drafts_step_s_by_batch, b)
+
     def __call__(self, n: float, b: int = 1) -> float:
-        return max(self.tokens_s(n) + self.seq_s(b) + self.draft_s(b) * max(n - b, 0.0), 1e-6)
+        drafts = max(n - b, 0.0)
+        return max(self.tokens_s(n) + self.seq_s(b) + self.draft_s(b) * drafts
+                   + self.drafts_step_s(b) * min(drafts, 1.0), 1e-6)
 
     def at_batch(self, b: int) -> Callable[[float], float]:
         """n -> T(n, b), the same values, for one plan's many evaluations at one batch size:
-        S(b) and X(b) are read once (the model must not learn meanwhile)."""
-        seq, draft, tokens_s = self.seq_s(b), self.draft_s(b), self.tokens_s
-        return lambda n: max(tokens_s(n) + seq + draft * max(n - b, 0.0), 1e-6)
+        S(b), X(b) and Z(b) are read once (the model must not learn meanwhile)."""
+        seq, draft, step, tokens_s = self.seq_s(b), self.draft_s(b), self.drafts_step_s(b), self.tokens_s
+
+        def priced(n: float) -> float:
+            drafts = max(n - b, 0.0)
+            return max(tokens_s(n) + seq + draft * drafts + step * min(drafts, 1.0), 1e-6)
+
+        return priced
 
     def observe(self, n: int, b: int, seconds: float, num_drafts: int | None = None) -> None:
         """A pass of n tokens of b sequences took `seconds`; `num_drafts`: its draft tokens
@@ -417,20 +452,33 @@ class StepTimeModel:
         self.seq_s_by_batch[b] = seq + self.ewma * (seconds - self.tokens_s(n) - seq)
 
     def _fit(self, b: int, d: float, error: float) -> None:
-        """S(b) and X(b) from the least squares line error = S(b) + X(b) d over the decayed
-        recent passes at b (the first pass at b starts from S(b)'s prior, weight 1)."""
+        """S(b), X(b) and Z(b) from the decayed recent passes at b (the first pass at b
+        starts from S(b)'s prior, weight 1, as a pass without drafts): see the class
+        docstring."""
         m = self._moments.get(b)
         if m is None:
             s0 = self.seq_s(b)
-            m = self._moments[b] = [1.0, 0.0, s0, 0.0, 0.0]
+            m = self._moments[b] = [1.0, 0.0, s0, 0.0, 0.0, 0.0, 0.0]
         keep = 1.0 - self.fit_decay
-        for j, v in enumerate((1.0, d, error, d * d, d * error)):
+        g = 1.0 if d > 0 else 0.0
+        for j, v in enumerate((1.0, d, error, d * d, d * error, g, g * error)):
             m[j] = keep * m[j] + v
-        w, sd, se, sdd, sde = m
-        mean_d, mean_e = sd / w, se / w
+        w, sd, se, sdd, sde, sg, sge = m
+        # The passes with drafts alone: their weight, mean draft count and error, d's variance.
+        mean_d1 = sd / sg if sg > 0 else 0.0
+        var_d1 = sdd / sg - mean_d1**2 if sg > 0 else 0.0
+        if min(w - sg, sg) >= max(self.FIT_MIN_WEIGHT, self.FIT_MIN_SHARE * w) and var_d1 >= self.FIT_MIN_VAR:
+            mean_e1 = sge / sg
+            x = self.draft_s_by_batch[b] = max((sde / sg - mean_d1 * mean_e1) / var_d1, 0.0)
+            s = self.seq_s_by_batch[b] = (se - sge) / (w - sg)
+            self.drafts_step_s_by_batch[b] = max(mean_e1 - x * mean_d1 - s, 0.0)
+            return
+        # One line through every pass, less the step they paid as last learned.
+        z = self.drafts_step_s(b)
+        mean_d, mean_e = sd / w, (se - z * sg) / w
         var = sdd / w - mean_d**2
         if var >= self.FIT_MIN_VAR:
-            self.draft_s_by_batch[b] = max((sde / w - mean_d * mean_e) / var, 0.0)
+            self.draft_s_by_batch[b] = max(((sde - z * sd) / w - mean_d * mean_e) / var, 0.0)
         self.seq_s_by_batch[b] = mean_e - self.draft_s(b) * mean_d
 
     def points(self) -> list[tuple[int, float]]:

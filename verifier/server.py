@@ -150,5 +150,8 @@ class VerifierServer:
                 # X(b): what a draft token adds beyond the token curve's slope at b sequences.
                 "draft_token_ms": None if step_time is None else {
                     b: round(t * 1e3, 3) for b, t in sorted(step_time.draft_s_by_batch.items())},
+                # Z(b): what verifying any draft adds once to a pass of b sequences.
+                "drafts_step_ms": None if step_time is None else {
+                    b: round(t * 1e3, 3) for b, t in sorted(step_time.drafts_step_s_by_batch.items())},
             },
         }

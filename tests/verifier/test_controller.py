@@ -100,6 +100,7 @@ def test_step_time_at_one_batch_size_prices_as_the_model_does(padded):
             d = rng.randrange(0, 24)
             m.observe(b + d, b, m(b + d, b) * rng.uniform(0.9, 1.3), num_drafts=d)
     assert m.draft_s(8) > 0 and m.draft_s(32) > 0
+    m.drafts_step_s_by_batch[8] = 0.004  # Z(8) as if learned (Z(b) elsewhere read from it)
     for b in (1, 8, 20, 32, 40):
         priced = m.at_batch(b)
         for n in [b + x / 4 for x in range(0, 200)] + [b + rng.uniform(0, 50) for _ in range(50)]:
@@ -169,6 +170,50 @@ def test_step_time_learns_what_a_draft_adds_at_a_batch_size():
     assert m.seq_s(12) == pytest.approx(0.0255, rel=1e-3) and m.seq_s(4) == pytest.approx(0.009, rel=1e-3)
     assert m.seq_s(32) == pytest.approx(0.062, rel=1e-3)
     assert [round(m.draft_s(b), 6) for b in (4, 12, 32)] == [0.0005] * 3
+
+
+def test_step_time_learns_the_step_a_pass_pays_for_verifying_any_draft():
+    """Passes of 32 sequences, two in three without drafts (as auto drafts on chat at 32
+    clients), the rest with 1-16 drafts, each 30 ms over the token curve, plus 3 ms when
+    it verified any draft, plus 0.5 ms a draft: S(32), Z(32) and X(32) are found. One line
+    through every pass would put part of the step on the slope (measured on the same
+    passes below) and price a pass of one draft under what it costs."""
+    m = StepTimeModel([(n, 0.010 + 0.001 * n) for n in range(4, 133, 4)], per_seq_s=0.001)
+    rng = random.Random(5)
+    passes = []
+    for _ in range(300):
+        d = 0 if rng.random() < 2 / 3 else rng.randint(1, 16)
+        error = 0.030 + (0.003 if d else 0.0) + 0.0005 * d
+        passes.append((d, error))
+        m.observe(32 + d, 32, m.tokens_s(32 + d) + error, num_drafts=d)
+    assert m.seq_s(32) == pytest.approx(0.030, rel=1e-3)
+    assert m.drafts_step_s(32) == pytest.approx(0.003, rel=1e-3)
+    assert m.draft_s(32) == pytest.approx(0.0005, rel=1e-3)
+    assert m(33, b=32) - m(32, b=32) == pytest.approx(m.tokens_s(33) - m.tokens_s(32) + 0.0035, rel=1e-3)
+    assert m(32.5, b=32) - m(32, b=32) == pytest.approx(m.tokens_s(32.5) - m.tokens_s(32) + 0.5 * 0.0035, rel=1e-3)
+    # The single least squares line through the same passes (undecayed): a slope of about
+    # 0.8 ms, a pass of one draft priced about 2.5 ms under its 3.5.
+    n = len(passes)
+    mean_d = sum(d for d, _ in passes) / n
+    mean_e = sum(e for _, e in passes) / n
+    slope = (sum(d * e for d, e in passes) / n - mean_d * mean_e) / (sum(d * d for d, _ in passes) / n - mean_d**2)
+    one_draft = (mean_e - slope * mean_d) + slope - 0.030
+    assert slope > 0.0007 and one_draft < 0.0015
+    # Passes that all verify drafts (a static k) cannot tell S(32) from Z(32): the line is
+    # fitted to the error less the Z(32) learned, which stays, and so do S(32) and X(32).
+    for _ in range(300):
+        d = rng.randint(1, 16)
+        m.observe(32 + d, 32, m.tokens_s(32 + d) + 0.030 + 0.003 + 0.0005 * d, num_drafts=d)
+    assert (m.seq_s(32), m.drafts_step_s(32), m.draft_s(32)) == pytest.approx((0.030, 0.003, 0.0005), rel=1e-3)
+    # Passes with and without drafts again, S(32) now 35 ms: found, the step and slope kept.
+    for _ in range(300):
+        d = 0 if rng.random() < 2 / 3 else rng.randint(1, 16)
+        m.observe(32 + d, 32, m.tokens_s(32 + d) + 0.035 + (0.003 if d else 0.0) + 0.0005 * d, num_drafts=d)
+    assert (m.seq_s(32), m.drafts_step_s(32), m.draft_s(32)) == pytest.approx((0.035, 0.003, 0.0005), rel=1e-3)
+    # A batch size that never learned one takes Z(b) from those that did; none: 0.
+    assert m.drafts_step_s(8) == pytest.approx(0.003)
+    assert StepTimeModel([(1, 0.01), (64, 0.05)]).drafts_step_s(8) == 0.0
+
 
 # ---------------------------------------------------------------------- turning off and back on
 def test_low_acceptance_sequence_is_off_within_five_rounds_and_probed_back():
