@@ -407,34 +407,21 @@ class StepTimeModel:
     def draft_s(self, b: int) -> float:
         """X(b): what a draft token adds beyond T_tokens' slope in a pass of b sequences
         (interpolated between the batch sizes it is learned at; 0 before any)."""
-        learned = self.draft_s_by_batch.get(b)
-        if learned is not None or not self.draft_s_by_batch:
-            return learned or 0.0
-        return _between(self.draft_s_by_batch, b)
+        return _learned_at(self.draft_s_by_batch, b)
 
     def drafts_step_s(self, b: int) -> float:
         """Z(b): what verifying any draft adds once to a pass of b sequences (interpolated
         between the batch sizes it is learned at, as X(b); 0 before any)."""
-        learned = self.drafts_step_s_by_batch.get(b)
-        if learned is not None or not self.drafts_step_s_by_batch:
-            return learned or 0.0
-        return _between(self.drafts_step_s_by_batch, b)
+        return _learned_at(self.drafts_step_s_by_batch, b)
 
     def __call__(self, n: float, b: int = 1) -> float:
-        drafts = max(n - b, 0.0)
-        return max(self.tokens_s(n) + self.seq_s(b) + self.draft_s(b) * drafts
-                   + self.drafts_step_s(b) * min(drafts, 1.0), 1e-6)
+        return _priced(self.tokens_s(n), n - b, self.seq_s(b), self.draft_s(b), self.drafts_step_s(b))
 
     def at_batch(self, b: int) -> Callable[[float], float]:
         """n -> T(n, b), the same values, for one plan's many evaluations at one batch size:
         S(b), X(b) and Z(b) are read once (the model must not learn meanwhile)."""
         seq, draft, step, tokens_s = self.seq_s(b), self.draft_s(b), self.drafts_step_s(b), self.tokens_s
-
-        def priced(n: float) -> float:
-            drafts = max(n - b, 0.0)
-            return max(tokens_s(n) + seq + draft * drafts + step * min(drafts, 1.0), 1e-6)
-
-        return priced
+        return lambda n: _priced(tokens_s(n), n - b, seq, draft, step)
 
     def observe(self, n: int, b: int, seconds: float, num_drafts: int | None = None) -> None:
         """A pass of n tokens of b sequences took `seconds`; `num_drafts`: its draft tokens
@@ -1345,6 +1332,21 @@ def _memo(f: Callable[[float], float]) -> Callable[[float], float]:
         return v
 
     return remembered
+
+
+def _priced(tokens_s: float, drafts: float, seq_s: float, draft_s: float, step_s: float) -> float:
+    """T(n, b) from its terms: T_tokens(n), n - b, S(b), X(b) and Z(b) (`StepTimeModel`)."""
+    drafts = max(drafts, 0.0)
+    return max(tokens_s + seq_s + draft_s * drafts + step_s * min(drafts, 1.0), 1e-6)
+
+
+def _learned_at(values: Mapping[int, float], b: int) -> float:
+    """A per-batch-size term at b: as learned there, else interpolated between the batch
+    sizes it is learned at (`_between`), 0 before any."""
+    learned = values.get(b)
+    if learned is not None or not values:
+        return learned or 0.0
+    return _between(values, b)
 
 
 def _between(values: Mapping[int, float], x: int) -> float:

@@ -52,6 +52,11 @@ class GenerateInput:
     trace_context: tuple[tuple[str, str], ...] = ()
 
 
+def _per_batch_ms(values: dict[int, float], digits: int) -> dict[int, float]:
+    """A step-time term learned per batch size, in ms, by batch size."""
+    return {b: round(t * 1e3, digits) for b, t in sorted(values.items())}
+
+
 class VerifierServer:
     """Serve `GenerateInput`s with one engine (whose controller and proposers decide how
     `speculation` is honoured)."""
@@ -145,13 +150,10 @@ class VerifierServer:
                                           else round(b * 1e3, 3) for m in e.proposers},
                 "step_time_ms": None if step_time is None else [(n, round(t * 1e3, 2)) for n, t in step_time.points()],
                 # S(b): what b sequences add to a pass, learned per batch size (StepTimeModel).
-                "batch_step_ms": None if step_time is None else {
-                    b: round(t * 1e3, 2) for b, t in sorted(step_time.seq_s_by_batch.items())},
+                "batch_step_ms": None if step_time is None else _per_batch_ms(step_time.seq_s_by_batch, 2),
                 # X(b): what a draft token adds beyond the token curve's slope at b sequences.
-                "draft_token_ms": None if step_time is None else {
-                    b: round(t * 1e3, 3) for b, t in sorted(step_time.draft_s_by_batch.items())},
+                "draft_token_ms": None if step_time is None else _per_batch_ms(step_time.draft_s_by_batch, 3),
                 # Z(b): what verifying any draft adds once to a pass of b sequences.
-                "drafts_step_ms": None if step_time is None else {
-                    b: round(t * 1e3, 3) for b, t in sorted(step_time.drafts_step_s_by_batch.items())},
+                "drafts_step_ms": None if step_time is None else _per_batch_ms(step_time.drafts_step_s_by_batch, 3),
             },
         }
