@@ -520,6 +520,57 @@ def test_streaming_events_add_up(model, tokenizer, code_prompt, plain):
     assert s.mean_acceptance_length == pytest.approx(1 + s.accepted / s.rounds_with_drafts)
 
 
+def test_a_proposer_answering_inline_keeps_the_loop_until_the_pass(model, tokenizer, code_prompt, plain):
+    """Between an in-process proposer's answer and the pass, the engine does not hand the
+    event loop to other tasks (a served replica's token streams): their work would run in
+    series with the pass instead of beside it. Other tasks do run during the pass."""
+    expected = _first(plain, code_prompt, GREEDY)
+    proposer = NgramProposer()
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), proposer,
+                    Controller.static(4))
+    window = {"open": False, "entered": 0, "passes": 0, "beside": 0}
+    answer, execute = proposer.propose, engine._execute
+
+    async def propose(requests):
+        out = await answer(requests)
+        window["open"] = True  # until the pass starts
+        return out
+
+    def timed_execute(works):
+        window["passes"] += 1
+        time.sleep(0.002)  # room for the other task to run beside the pass
+        return execute(works)
+
+    class Worker:  # the engine's thread, noting when a pass is handed to it
+        def __init__(self, executor):
+            self.executor = executor
+
+        def submit(self, fn, *args):
+            window["open"] = False
+            return self.executor.submit(fn, *args)
+
+    proposer.propose, engine._execute, engine._worker = propose, timed_execute, Worker(engine._worker)
+
+    async def main():
+        done = False
+
+        async def other():
+            while not done:
+                window["entered"] += window["open"]
+                window["beside"] += 1
+                await asyncio.sleep(0)
+
+        spinner = asyncio.ensure_future(other())
+        out = [t async for e in engine.generate(code_prompt, GREEDY) for t in e.token_ids]
+        done = True
+        await spinner
+        return out
+
+    assert asyncio.run(main()) == expected.token_ids
+    assert window["passes"] > 3 and window["beside"] >= window["passes"]
+    assert window["entered"] == 0
+
+
 class _BrokenController(Controller):
     """A controller with a bug: the step fails; every client must hear about it, none may hang."""
 
