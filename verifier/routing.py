@@ -17,7 +17,6 @@ itself comes from outside (`set_replicas`), e.g. a discovery loop in `cluster`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import logging
@@ -29,6 +28,7 @@ import numpy as np
 from protos.proposal import Proposal, ProposalRequest
 from protos.splitspec.v1 import proposer_pb2
 from verifier.models.vocab import VocabFingerprint, incompatibility
+from verifier.aio import await_all
 from verifier.proposer_client import GrpcProposalSource, ProposerUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -187,23 +187,14 @@ class RoutedProposalSource:
         for address, source in self._sources.items():
             if address not in batches and source.has_pending_releases and address in live:
                 batches[address] = []
-        if len(batches) == 1:  # the common case: no task per round
-            (address, idx), = batches.items()
-            try:
-                answers = [await self._sources[address].propose([requests[i] for i in idx])]
-            except Exception as exc:
-                answers = [exc]
-        elif batches:
-            answers = await asyncio.gather(*(
-                self._sources[a].propose([requests[i] for i in idx]) for a, idx in batches.items()
-            ), return_exceptions=True)
-        if batches:
-            for (address, idx), answer in zip(batches.items(), answers):
-                if isinstance(answer, BaseException):
-                    self._mark_down(address, answer)
-                    answer = [Proposal(requests[i].seq_id, np.zeros(0, np.int32)) for i in idx]
-                for i, proposal in zip(idx, answer):
-                    results[i] = proposal
+        answers = await await_all([self._sources[a].propose([requests[i] for i in idx]) for a, idx in batches.items()],
+                                  return_exceptions=True)
+        for (address, idx), answer in zip(batches.items(), answers):
+            if isinstance(answer, BaseException):
+                self._mark_down(address, answer)
+                answer = [Proposal(requests[i].seq_id, np.zeros(0, np.int32)) for i in idx]
+            for i, proposal in zip(idx, answer):
+                results[i] = proposal
         return results  # type: ignore[return-value]
 
     async def flush(self) -> None:
