@@ -410,7 +410,9 @@ class Ingress:
                 message.speculation.CopyFrom(generate_pb2.SpeculationStats(
                     rounds=s["rounds"], rounds_with_drafts=s["rounds_with_drafts"], drafted=s["drafted"],
                     accepted=s["accepted"], mean_acceptance_length=s["mean_acceptance_length"],
-                    rounds_by_method=s["rounds_by_method"], rounds_off=s["rounds_off"],
+                    rounds_by_method=s["rounds_by_method"], rounds_off=s["rounds_off"], mode=s["mode"],
+                    acceptance_rate=s["acceptance_rate"], tokens_per_second=s["tokens_per_second"],
+                    num_output_tokens=s["num_output_tokens"],
                 ))
                 yield message
                 return

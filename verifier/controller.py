@@ -118,7 +118,7 @@ POLICIES = ("off", "static", "batch_table", "goodput")
 #: Why a sequence got the k it got this round. k = 0 reasons first.
 REASONS = (
     "request_off",  # the request asked for mode off or max_k 0
-    "policy_off",  # controller policy `off`
+    "policy_off",  # controller policy `off`, or a fixed k of 0 (`static` k 0, a `batch_table` row of 0)
     "proposer_unavailable",  # no live proposer for the method (none configured, all failing)
     "low_acceptance",  # the sequence's acceptance does not pay for its drafts
     "batch_compute_bound",  # the drafts would pay if verifying them were free, but the batch is compute bound
@@ -853,9 +853,7 @@ class Controller:
             elif not (live if v.method is None else [m for m in live if m == v.method]):
                 decisions[i] = Decision(None, 0, "proposer_unavailable")
             elif v.mode == "on":
-                method = self._choose_method(v, live)
-                self._mark(v.seq_id, method, on=True)
-                decisions[i] = Decision(method, min(v.max_k or s.k, cap), "request_on")
+                decisions[i] = self._fixed(v, live, v.max_k or s.k, "request_on")
             elif s.policy == "off":
                 decisions[i] = Decision(None, 0, "policy_off")
             elif s.policy == "static":
@@ -979,9 +977,11 @@ class Controller:
         return cap if v.max_k is None else min(cap, v.max_k)
 
     def _fixed(self, v: SequenceView, live: list[str], k: int, reason: str) -> Decision:
-        k = min(k, self._cap(v))
+        """A fixed k (capped as every k is); a k of 0 (`static` k 0, a `batch_table` row of
+        0) is counted as `policy_off`, a reason of a round without drafts."""
         if k == 0:
-            return Decision(None, 0, reason)
+            return Decision(None, 0, "policy_off")
+        k = min(k, self._cap(v))
         method = self._choose_method(v, live)
         self._mark(v.seq_id, method, on=True)
         return Decision(method, k, reason)

@@ -173,6 +173,9 @@ def test_speculation_object_is_honoured_and_reported(main_app, tokenizer, greedy
         max_tokens=MAX_TOKENS, temperature=0.0, speculation=generate_pb2.Speculation(mode="off")))[-1]
     assert dict(last.speculation.rounds_off) == {"request_off": last.speculation.rounds}
     assert dict(last.speculation.rounds_by_method) == {}
+    assert last.speculation.mode == "off" and last.speculation.acceptance_rate == 0.0
+    assert last.speculation.num_output_tokens == last.usage.completion_tokens > 0
+    assert last.speculation.tokens_per_second > 0
 
 
 def _grpc_generate(app, request: generate_pb2.GenerateRequest, timeout: float = 120):
@@ -203,6 +206,11 @@ def test_grpc_greedy_equals_local_engine(main_app, tokenizer, greedy, edit_conve
         assert all(not m.finish_reason for m in messages[:-1])
         assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == len(want)
         accepted += last.speculation.accepted
+        assert last.speculation.mode == speculation
+        assert last.speculation.num_output_tokens == len(want)
+        if last.speculation.drafted:
+            assert last.speculation.acceptance_rate == pytest.approx(
+                last.speculation.accepted / last.speculation.drafted, abs=1e-4)
         if speculation == "off":
             assert last.speculation.drafted == 0
     if speculation == "on":

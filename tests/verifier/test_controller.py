@@ -898,7 +898,13 @@ def test_static_and_batch_table_policies():
     t = _controller(policy="batch_table")
     for batch, k in [(1, 4), (7, 4), (8, 2), (31, 2), (32, 0), (40, 0)]:
         ds = t.plan([SequenceView(f"s{i}") for i in range(batch)])
-        assert {(d.k, d.reason) for d in ds} == {(k, "batch_table")}, batch
+        assert {(d.k, d.reason) for d in ds} == {(k, "batch_table" if k else "policy_off")}, batch
+    # A fixed k of 0 is a round without drafts, counted under a documented reason.
+    zero = _controller(policy="static", k=0)
+    assert [(d.k, d.reason) for d in zero.plan([SequenceView("a"), SequenceView("b", mode="on")])] == [
+        (0, "policy_off"), (0, "policy_off")]
+    assert (zero.plan([SequenceView("c", mode="on", max_k=2)])[0].k,
+            zero.plan([SequenceView("d", mode="on", max_k=2)])[0].reason) == (2, "request_on")
 
 
 def test_settings_are_checked():

@@ -67,7 +67,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "rounds_with_drafts", "drafted", "accepted", "mean_acceptance_length", "rounds_by_method", "rounds_off")
+    __slots__ = ("rounds", "rounds_with_drafts", "drafted", "accepted", "mean_acceptance_length", "rounds_by_method", "rounds_off", "mode", "acceptance_rate", "tokens_per_second", "num_output_tokens")
     class RoundsByMethodEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,10 @@ class SpeculationStats(_message.Message):
     MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_BY_METHOD_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_OFF_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     rounds_with_drafts: int
     drafted: int
@@ -96,7 +100,11 @@ class SpeculationStats(_message.Message):
     mean_acceptance_length: float
     rounds_by_method: _containers.ScalarMap[str, int]
     rounds_off: _containers.ScalarMap[str, int]
-    def __init__(self, rounds: _Optional[int] = ..., rounds_with_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., rounds_by_method: _Optional[_Mapping[str, int]] = ..., rounds_off: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    mode: str
+    acceptance_rate: float
+    tokens_per_second: float
+    num_output_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., rounds_with_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., rounds_by_method: _Optional[_Mapping[str, int]] = ..., rounds_off: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
