@@ -206,7 +206,7 @@ def _engines(args: argparse.Namespace, model, tokenizer) -> dict[str, Engine]:
             engines[text] = Engine(model, tokenizer, config, proposers,
                                    Controller(ControllerSettings(policy="goodput", max_k=8), tuple(proposers)),
                                    fallbacks=fallbacks)
-            # Before the clock starts, as a verifier replica does when it starts (about 6 s).
+            # Before the clock starts, as a verifier replica does when it starts (about 9 s).
             engines[text].profile_step_time()
         else:
             # A shape applies to the method that drafts it: the fallback's when there is one.

@@ -365,11 +365,23 @@ class Engine:
         online): T_tokens(n) on one sequence for a grid of n, and the cost of each further
         sequence from a pass of max_num_seqs sequences of one token each, every sequence
         holding `context_len` tokens of context. Runs before serving: every KV slot must be
-        free. Each figure is the fastest of `repeats` passes after one warm-up pass, run on
-        the model thread as the serving passes are.
+        free. Run on the model thread as the serving passes are.
 
         The grid is `profile_grid`'s, up to `max_tokens` (default: a full batch at the
-        controller's largest k).
+        controller's largest k). It is swept `repeats` + 1 times, the first a warm-up, in
+        alternating directions, and each figure is its fastest pass over the sweeps: a
+        slow spell of this shared machine then lands on one sweep's passes, not on every
+        pass of a few neighbouring sizes (a pass is only ever slowed, never sped up, by
+        the machine). The curve is then made non-decreasing from the right (T(n) = the
+        least figure at n or above): more tokens never take less time, so a figure above
+        a larger size's is one a slow spell inflated (`StepTimeModel` alone would raise
+        the sizes after it to it instead). The curve's slope prices every draft, and it
+        is not refreshed online. Measured here, each size timed twice in a row after a
+        warm-up pass (before), 8 profiles in one process: what 16 drafts add to a pass of
+        32 sequences ranged 16-62 ms, and 4 drafts beside one decode 0.7-10 ms. Profiles
+        alternating before / sweeps, 10 of each: interquartile ranges 28-38 / 30-35 ms
+        and 4.9-8.6 / 5.1-6.2 ms, S(b)'s per-sequence cost 0.2-2.1 / 0.3-0.8 ms; a
+        second such run (8 each, three sweeps) told them apart no more.
         """
         return run_on_cpu_worker(self._profile_step_time, max_tokens, context_len, repeats)
 
@@ -381,29 +393,38 @@ class Engine:
         rows = getattr(self.model, "gemm_rows", None)
         grid = profile_grid(self.config.max_num_seqs, limit, rows)
         slots = [self.cache.allocate() for _ in range(self.config.max_num_seqs)]
+        b = len(slots)
 
         def timed(lens: list[int]) -> float:
-            """Fastest pass of lens[i] new tokens on slots[i], each after context_len tokens."""
-            best = math.inf
-            for rep in range(repeats + 1):
-                n = sum(lens)
-                start = time.perf_counter()
-                self.model.forward(torch.zeros(n, dtype=torch.int64), slots[: len(lens)], lens, self.cache,
-                                   torch.arange(n, dtype=torch.int64))
-                if rep:
-                    best = min(best, time.perf_counter() - start)
-                for slot in slots[: len(lens)]:
-                    self.cache.rollback(slot, context_len)
-            return best
+            """One pass of lens[i] new tokens on slots[i], each after context_len tokens."""
+            n = sum(lens)
+            start = time.perf_counter()
+            self.model.forward(torch.zeros(n, dtype=torch.int64), slots[: len(lens)], lens, self.cache,
+                               torch.arange(n, dtype=torch.int64))
+            seconds = time.perf_counter() - start
+            for slot in slots[: len(lens)]:
+                self.cache.rollback(slot, context_len)
+            return seconds
 
+        # The passes of a sweep: each grid size on one sequence, then (b > 1) a decode step of b.
+        shapes = [[n] for n in grid] + ([[1] * b] if b > 1 else [])
+        best = [math.inf] * len(shapes)
         try:
-            b = len(slots)
             self.model.forward(torch.zeros(b * context_len, dtype=torch.int64), slots, [context_len] * b, self.cache,
                                torch.tensor([b * context_len - 1], dtype=torch.int64))
-            points = [(n, timed([n])) for n in grid]
+            for sweep in range(repeats + 1):
+                order = range(len(shapes)) if sweep % 2 == 0 else reversed(range(len(shapes)))
+                for i in order:
+                    seconds = timed(shapes[i])
+                    if sweep:  # the first sweep warms up
+                        best[i] = min(best[i], seconds)
+            times = best[: len(grid)]
+            for i in reversed(range(len(times) - 1)):
+                times[i] = min(times[i], times[i + 1])
+            points = list(zip(grid, times))
             model = StepTimeModel(points, ewma=s.timing_ewma, rows=rows)
             if b > 1:
-                model.per_seq_s = max((timed([1] * b) - model.tokens_s(b)) / (b - 1), 0.0)
+                model.per_seq_s = max((best[-1] - model.tokens_s(b)) / (b - 1), 0.0)
         finally:
             for slot in slots:
                 self.cache.rollback(slot, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 
@@ -596,6 +597,53 @@ def test_profile_grid_times_every_padded_size_up_to_twice_the_batch():
     assert profile_grid(8, 72, gemm_rows) == [1, 4, 8, 16, 24, 40, 56]
     assert profile_grid(8, 72) == [1, 2, 4, 8, 16, 24, 36, 54]  # no padding (a GPU model)
     assert profile_grid(4, 0) == [1]
+
+
+class _SlowedModel:
+    """The real model, with passes of one sequence slowed by `SLOW_S`: those of size
+    `always`, and those whose place among all single-sequence passes is in `spell` (a slow
+    spell of the machine)."""
+
+    SLOW_S = 0.25
+
+    def __init__(self, model, always: int, spell: range) -> None:
+        self._model, self.always, self.spell = model, always, spell
+        self.calls: collections.Counter[int] = collections.Counter()
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, token_ids, slots, num_tokens, *args, **kwargs):
+        out = self._model.forward(token_ids, slots, num_tokens, *args, **kwargs)
+        if len(num_tokens) == 1:
+            self.calls[num_tokens[0]] += 1
+            if num_tokens[0] == self.always or sum(self.calls.values()) in self.spell:
+                time.sleep(self.SLOW_S)
+        return out
+
+
+def test_the_profile_takes_each_size_at_its_fastest_sweep_and_never_falls(model, tokenizer):
+    """A slow spell as long as three passes costs no size its figure (each size's fastest
+    pass over sweeps of the whole grid: timed one after another, a size's passes would
+    all fall in it), and a size slowed on every pass is priced at the next size's figure:
+    more tokens never take less time, and the machine only ever slows a pass."""
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512), NgramProposer(),
+                    Controller(ControllerSettings(policy="goodput", max_k=4)))
+    grid = profile_grid(2, 10, model.gemm_rows)
+    assert len(grid) == 3
+    # Passes 1-3 warm up, 4-6 are the first timed sweep: the spell covers every size once.
+    slowed = _SlowedModel(model, always=grid[0], spell=range(4, 7))
+    engine.model = slowed
+    try:
+        t = engine.profile_step_time(repeats=2)
+    finally:
+        engine.model = model
+    assert all(slowed.calls[n] == 3 for n in grid)  # a warm-up sweep and two timed ones
+    times = dict(t.points())
+    assert list(times) == grid
+    assert max(times.values()) < _SlowedModel.SLOW_S
+    assert times[grid[0]] == times[grid[1]] <= times[grid[2]]  # slowed on every pass: the next size's figure
+    assert engine.cache.num_used_slots == 0
 
 
 def test_goodput_controller_on_the_real_model(model, tokenizer, code_prompt, chat_prompt, plain):
