@@ -383,6 +383,8 @@ class Engine:
         and 4.9-8.6 / 5.1-6.2 ms, S(b)'s per-sequence cost 0.2-2.1 / 0.3-0.8 ms; a
         second such run (8 each, three sweeps) told them apart no more.
         """
+        if repeats < 1:
+            raise ValueError(f"repeats: at least one timed sweep after the warm-up, got {repeats}")
         return run_on_cpu_worker(self._profile_step_time, max_tokens, context_len, repeats)
 
     def _profile_step_time(self, max_tokens: int | None, context_len: int, repeats: int) -> StepTimeModel:

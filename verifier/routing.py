@@ -27,8 +27,8 @@ import numpy as np
 
 from protos.proposal import Proposal, ProposalRequest
 from protos.splitspec.v1 import proposer_pb2
-from verifier.models.vocab import VocabFingerprint, incompatibility
 from verifier.aio import await_all
+from verifier.models.vocab import VocabFingerprint, incompatibility
 from verifier.proposer_client import GrpcProposalSource, ProposerUnavailableError
 
 logger = logging.getLogger(__name__)

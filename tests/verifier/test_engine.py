@@ -644,6 +644,8 @@ def test_the_profile_takes_each_size_at_its_fastest_sweep_and_never_falls(model,
     assert max(times.values()) < _SlowedModel.SLOW_S
     assert times[grid[0]] == times[grid[1]] <= times[grid[2]]  # slowed on every pass: the next size's figure
     assert engine.cache.num_used_slots == 0
+    with pytest.raises(ValueError, match="repeats"):
+        engine.profile_step_time(repeats=0)
 
 
 def test_goodput_controller_on_the_real_model(model, tokenizer, code_prompt, chat_prompt, plain):
