@@ -39,6 +39,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --dynamic-tree: keep the N nodes of the most likely paths (EAGLE-2's rerank, e.g. "
                         "15); default every node")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length per sequence")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the target over N processes (this one and N - 1 workers; default 1)")
 
 
 def _fallback_arg(args: argparse.Namespace) -> str | None:
@@ -100,12 +102,14 @@ def _generate(args: argparse.Namespace) -> int:
     ).validate()
     if args.k < 0:
         raise InvalidRequestError("k", f"must be >= 0, got {args.k}")
+    if args.tensor_parallel_size < 1:
+        raise InvalidRequestError("tensor_parallel_size", f"must be >= 1, got {args.tensor_parallel_size}")
     fallback = _fallback_arg(args)
     tree = _tree_arg(args)
     engine = build_local_engine(LocalEngineSpec(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
         fallback=fallback, k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree,
-        dynamic_tree=args.dynamic_tree, tree_budget=args.tree_budget,
+        dynamic_tree=args.dynamic_tree, tree_budget=args.tree_budget, tensor_parallel_size=args.tensor_parallel_size,
     ))
     tok = engine.tokenizer
     if args.chat:
@@ -142,6 +146,7 @@ def _generate(args: argparse.Namespace) -> int:
             "dynamic_tree": args.dynamic_tree,
             "tree_budget": args.tree_budget,
             "dtype": args.dtype,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "stats": summary,
         }))
     else:

@@ -181,7 +181,10 @@ class VerifierConfig(_Strict):
     max_model_len: int = Field(2048, ge=16, description="Context length per sequence: prompt + output tokens.")
     max_waiting: int = Field(64, ge=0, description="Requests queued per replica before new ones get 429.")
     proposer_deadline_ms: float = Field(100.0, gt=0, description="Per-round deadline of proposer calls; late = no drafts.")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one replica spans (torch backend, GPU only).")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks one replica's target is split over (tensor parallelism: each holds a share of "
+        "every layer's heads and MLP units, and of the KV cache): the replica and tensor_parallel_size - 1 worker "
+        "processes it starts beside it. At most the model's key/value heads. On CPU, num_threads is split between them.")
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads; null = every core of the machine on a CPU-only replica "
         "(Ray would otherwise cap it to resources.num_cpus), Ray's default on GPU replicas.")
@@ -192,8 +195,9 @@ class VerifierConfig(_Strict):
     @model_validator(mode="after")
     def _gpus_match_tp(self) -> "VerifierConfig":
         tp, gpus = self.tensor_parallel_size, self.resources.num_gpus
-        if tp > 1 and gpus != tp:
-            raise ValueError(f"tensor_parallel_size {tp} needs resources.num_gpus == {tp}, got {gpus}")
+        if tp > 1 and gpus not in (0, tp):
+            raise ValueError(f"tensor_parallel_size {tp} needs resources.num_gpus == {tp} (or 0: ranks on CPU), "
+                             f"got {gpus}")
         return self
 
 

@@ -217,6 +217,10 @@ class VerifierReplica:
         }
         for m, source in self._in_process.items():
             out["proposers"][m] = {"placement": "verifier", "active_sequences": getattr(source, "num_sequences", 0)}
+        model = self.server.engine.model
+        if hasattr(model, "worker_pids"):  # a `TensorParallelModel`
+            out["tensor_parallel"] = {"size": model.world_size, "worker_pids": model.worker_pids,
+                                      "problem": model.problem()}
         return out
 
     def health(self) -> dict[str, Any]:
@@ -233,6 +237,9 @@ class VerifierReplica:
     def check_health(self) -> None:
         if self._discovery.done() and not self._discovery.cancelled() and self._discovery.exception():
             raise RuntimeError("proposer discovery stopped") from self._discovery.exception()
+        problem = getattr(self.server.engine.model, "problem", lambda: None)()  # a `TensorParallelModel`'s
+        if problem is not None:  # Serve replaces the replica (and so its workers)
+            raise RuntimeError(problem)
 
 
 # ---------------------------------------------------------------------- app graph
@@ -286,6 +293,7 @@ def build_app(config: SplitspecConfig):
         # Room above the engine's own limit, so overload is the engine's clear 429.
         max_ongoing_requests=per_replica + 8,
         graceful_shutdown_timeout_s=5.0,
+        health_check_period_s=2.0,  # a lost tensor-parallel worker fails passes until it is replaced
         **_scaling_options(v.replicas, v.autoscaling, custom_policy=False),
     ).bind(config.model_dump(mode="json"), *proposer_apps)
     max_verifiers = v.autoscaling.max_replicas if v.autoscaling else v.replicas

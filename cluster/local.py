@@ -12,6 +12,7 @@ from proposers.registry import build_proposer
 from verifier.engine import Engine, EngineConfig
 from verifier.models.llama import LlamaModel
 from verifier.models.loader import load_model_and_tokenizer, load_tokenizer  # noqa: F401 (re-exported)
+from verifier.models.tensor_parallel import TensorParallelModel
 from verifier.models.tokenizer import Tokenizer
 from verifier.models.vocab import VocabFingerprint, incompatibility
 from verifier.controller import Controller
@@ -41,6 +42,8 @@ class LocalEngineSpec:
     dynamic_tree: int | None = None
     #: The most nodes a dynamic tree keeps (`DraftModelConfig.tree_budget`); None: all.
     tree_budget: int | None = None
+    #: Ranks the target is split over (`verifier.models.tensor_parallel`); 1: not split.
+    tensor_parallel_size: int = 1
 
 
 def check_vocabularies(tokenizer: Tokenizer, proposers: Mapping[str, ProposalSource]) -> None:
@@ -59,6 +62,7 @@ def check_vocabularies(tokenizer: Tokenizer, proposers: Mapping[str, ProposalSou
 
 def build_local_engine(spec: LocalEngineSpec) -> Engine:
     model, tokenizer = load_model_and_tokenizer(spec.model, spec.tokenizer, spec.dtype)
+    model = split_model(model, spec.model, spec.dtype, spec.tensor_parallel_size)
     config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
     if spec.speculation == OFF or spec.k == 0:
         return Engine(model, tokenizer, config, None, Controller.off())
@@ -73,8 +77,31 @@ def build_local_engine(spec: LocalEngineSpec) -> Engine:
 
 def verifier_threads(verifier: VerifierConfig) -> int | None:
     """torch threads of a verifier replica: as configured, else every core of the machine on
-    a CPU-only replica, else None (leave Ray's default)."""
-    return verifier.num_threads or (os.cpu_count() if verifier.resources.num_gpus == 0 else None)
+    a CPU-only replica, else None (leave Ray's default); split over the ranks of a
+    tensor-parallel replica on CPU (at least one each)."""
+    threads = verifier.num_threads or (os.cpu_count() if verifier.resources.num_gpus == 0 else None)
+    if threads and verifier.resources.num_gpus == 0:
+        threads = max(threads // verifier.tensor_parallel_size, 1)
+    return threads
+
+
+def split_model(model: LlamaModel, path: str | None, dtype: str, tensor_parallel_size: int,
+                threads: int | None = None) -> LlamaModel:
+    """`model` itself when `tensor_parallel_size` is 1, else rank 0 of it split over that
+    many ranks (`TensorParallelModel`; the workers load `path` themselves). Each rank runs
+    `threads` torch threads; None: this process's share of its own, which this process
+    then keeps too (its model thread included), so the ranks do not crowd its cores."""
+    if tensor_parallel_size == 1 or isinstance(model, TensorParallelModel):
+        return model
+    if threads is None:
+        import torch
+
+        from verifier.models.threads import run_on_cpu_worker
+
+        threads = max(torch.get_num_threads() // tensor_parallel_size, 1)
+        torch.set_num_threads(threads)
+        run_on_cpu_worker(torch.set_num_threads, threads)
+    return TensorParallelModel.start(path, dtype, tensor_parallel_size, threads=threads, model=model)
 
 
 def engine_from_config(config: SplitspecConfig, model: LlamaModel, tokenizer: Tokenizer,
@@ -84,6 +111,7 @@ def engine_from_config(config: SplitspecConfig, model: LlamaModel, tokenizer: To
     `observer` (metrics). Policy `goodput` profiles the step time here, before the first request."""
     v = config.verifier
     check_vocabularies(tokenizer, proposers)
+    model = split_model(model, config.model.path, config.model.dtype, v.tensor_parallel_size, verifier_threads(v))
     engine = Engine(model, tokenizer, EngineConfig(
         max_num_seqs=v.max_num_seqs, max_model_len=v.max_model_len, max_waiting=v.max_waiting,
     ), dict(proposers), Controller(config.controller.settings(), tuple(proposers)), observer,

@@ -160,6 +160,25 @@ def model_proposers_app(serve_cluster) -> ServedApp:
 
 
 @pytest.fixture
+def split_app(serve_cluster):
+    """The target split over two processes (`tensor_parallel_size: 2` on CPU: the replica
+    and a worker it starts, one torch thread each), n-gram lookup in the replica. Deleted
+    after the test."""
+    from ray import serve
+
+    app = _deploy(serve_cluster, "split", "/split", {
+        "proposers": [{"method": "ngram", "placement": "verifier"}],
+        "verifier": {**_VERIFIER, "tensor_parallel_size": 2, "max_num_seqs": 2, "max_model_len": 512,
+                     "max_waiting": 4, "resources": {"num_cpus": 0.25}},
+        "controller": {"policy": "static", "k": 4},
+    })
+    try:
+        yield app
+    finally:
+        serve.delete(app.name)
+
+
+@pytest.fixture
 def eagle_in_verifier_app(serve_cluster):
     """The committed EAGLE head placed in the verifier replica (`placement: verifier`): built
     there beside the target, handed its hidden states in-process. Deleted after the test,

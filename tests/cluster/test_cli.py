@@ -122,6 +122,8 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--speculation", "off", "--fallback", "eagle"], "fallback"),
         (["--prompt", "hi", "--k", "0", "--fallback", "eagle"], "fallback"),
         (["--prompt", "hi", "--speculation", "eagle", "--fallback", "ngram", "--tree", "2,1"], "tree"),  # n-gram's
+        (["--prompt", "hi", "--tensor-parallel-size", "0"], "tensor_parallel_size"),
+        (["--prompt", "hi", "--tensor-parallel-size", "4"], "tensor_parallel_size"),  # 3 key/value heads
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field):

@@ -104,7 +104,7 @@ def test_a_bare_policy_off_is_the_off_policy(tmp_path):
         ("controller: {shadow_interval: 0}", "controller.shadow_interval", "greater than or equal to 1"),
         ("controller: {policy: batch_table, batch_table: {4: 2}}", "controller", "starting at 1"),
         ("api: {http_port: 8000, grpc_port: 8000}", "(top level)", "must differ"),
-        ("verifier: {tensor_parallel_size: 2}", "verifier", "needs resources.num_gpus == 2"),
+        ("verifier: {tensor_parallel_size: 2, resources: {num_gpus: 1}}", "verifier", "needs resources.num_gpus == 2"),
     ],
 )
 def test_mistakes_name_the_field(tmp_path, yaml_text, field, fragment):

@@ -696,6 +696,47 @@ def test_a_model_proposer_placed_in_the_verifier_drafts_as_its_deployment_does(m
     assert stats == {"eagle": {"placement": "verifier", "active_sequences": 0}}
 
 
+def test_a_split_target_serves_exactly_and_a_lost_worker_gets_the_replica_replaced(split_app, tokenizer, greedy):
+    """`tensor_parallel_size: 2`: the replica starts a worker process holding half of every
+    layer; completions equal plain decoding on the whole model, speculating. Killing the
+    worker fails the replica's health check, Serve replaces the replica (a new worker with
+    it), and the output is exact again."""
+    messages = [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, the cat sat on the mat."}]
+    want = greedy([tokenizer.encode(tokenizer.apply_chat_template(messages))])[0]
+
+    def complete():
+        r = _client(split_app, max_retries=0).chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"return_token_ids": True})
+        return r.choices[0].model_extra["token_ids"], r.model_extra["speculation"]
+
+    tokens, spec = complete()
+    assert tokens == want and spec["accepted"] > 0
+    stats = split_app.verifier().stats.remote().result()
+    split = stats["tensor_parallel"]
+    assert split["size"] == 2 and len(split["worker_pids"]) == 1 and split["problem"] is None
+    os.kill(split["worker_pids"][0], signal.SIGKILL)
+
+    def replaced():
+        try:
+            s = split_app.verifier().stats.remote().result()
+        except Exception:
+            return None
+        return s if s["pid"] != stats["pid"] else None
+
+    new = _wait_for(replaced, 180, "a new verifier replica")
+    assert new["tensor_parallel"]["worker_pids"] != split["worker_pids"]
+    tokens, _ = _wait_for(lambda: _quietly(complete), 60, "a completion from the new replica")
+    assert tokens == want
+
+
+def _quietly(f):
+    try:
+        return f()
+    except Exception:
+        return None
+
+
 def test_a_model_proposers_threads_are_configurable(model_proposers_app):
     """`num_threads` sets a model proposer replica's torch threads; without it, the replica
     keeps Ray's cap for its num_cpus of 0.25 (one thread)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -406,6 +406,9 @@ class LlamaModel:
         scale = rope_attention_scaling(config)
         self._cos = (emb.cos() * scale).to(dtype)  # [max_position, D]
         self._sin = (emb.sin() * scale).to(dtype)
+        #: Sums a tensor over the ranks of a tensor-parallel split, in place, after each
+        #: attention and MLP (`verifier.models.tensor_parallel`); None: the whole model.
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -556,10 +559,16 @@ class LlamaModel:
                                rms_norm(h, layer.hidden_norm, c.rms_norm_eps)], dim=-1)
             else:
                 x = h if layer.input_norm is None else rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            h = h + self._attention(li, layer, x, spans, groups, store, token_slots, cos, sin, cache)
+            a = self._attention(li, layer, x, spans, groups, store, token_slots, cos, sin, cache)
+            if self.all_reduce is not None:  # a tensor-parallel share: its heads' part of the sum
+                self.all_reduce(a[:T])  # the real rows (ranks may pad differently)
+            h = h + a
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.w_down)
+            m = linear(F.silu(gate) * up, layer.w_down)
+            if self.all_reduce is not None:
+                self.all_reduce(m[:T])
+            h = h + m
         for span in spans:
             cache.lens[span.slot] = span.kv_len
         if logits_index is None:
@@ -571,7 +580,10 @@ class LlamaModel:
 
         R = logits_index.shape[0]
         head = self.lm_head if self.lm_head_packed is None else self.lm_head_packed
-        logits = linear(_pad_rows(final(logits_index), self.lm_head_rows(R)), head)[:R].float()
+        if R == 0:  # e.g. a tensor-parallel worker: its rank 0 computes the logits
+            logits = torch.empty(0, self.lm_head.shape[0], dtype=torch.float32)
+        else:
+            logits = linear(_pad_rows(final(logits_index), self.lm_head_rows(R)), head)[:R].float()
         if hidden_index is None:
             return logits
         if hidden_layers is None:
