@@ -38,12 +38,17 @@ def test_shares_split_units_contiguously_the_first_ranks_taking_one_more():
 
 
 def test_a_share_holds_its_heads_and_units(model):
-    # Rank 1 of 2: key/value head 2, query heads 6-8, MLP units 768-1535.
+    """Rank 1 of 2: key/value head 2, query heads 6-8, and MLP units 688-1535, so that
+    both ranks' linears hold about as many weights: rank 0's attention has 2 * 6 + 2 * 2
+    heads' rows of 64 (q, k, v, o's columns), rank 1's 2 * 3 + 2 * 1, and a unit takes 3
+    rows (gate, up, down): 1024 + 3 * 688 = 3088 and 512 + 3 * 848 = 3056. Vocabulary
+    ids 24576-49151 of the LM head."""
     s = shard_model(model, 1, 2)
-    assert (s.config.num_heads, s.config.num_kv_heads, s.config.intermediate_size) == (3, 1, 768)
+    assert (s.config.num_heads, s.config.num_kv_heads, s.config.intermediate_size) == (3, 1, 848)
+    assert s.vocab_bounds == (24576, 49152) and torch.equal(s.lm_head, model.lm_head[24576:])
     layer = s.layers[0]
     assert tuple(layer.wqkv.shape) == ((3 + 2) * 64, 576) and tuple(layer.wo.shape) == (576, 3 * 64)
-    assert tuple(layer.w_gate_up.shape) == (2 * 768, 576) and tuple(layer.w_down.shape) == (576, 768)
+    assert tuple(layer.w_gate_up.shape) == (2 * 848, 576) and tuple(layer.w_down.shape) == (576, 848)
     from verifier.models.llama import dense
 
     whole = {n: dense(getattr(model.layers[0], n)) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
@@ -51,9 +56,10 @@ def test_a_share_holds_its_heads_and_units(model):
     assert torch.equal(layer.wqkv[192:256], whole["wqkv"][(9 + 2) * 64 : (9 + 3) * 64])  # k head 2
     assert torch.equal(layer.wqkv[256:], whole["wqkv"][(9 + 3 + 2) * 64 :])  # v head 2
     assert torch.equal(layer.wo, whole["wo"][:, 6 * 64 :])
-    assert torch.equal(layer.w_gate_up[:768], whole["w_gate_up"][768:1536])  # gate units 768-1535
-    assert torch.equal(layer.w_gate_up[768:], whole["w_gate_up"][1536 + 768 :])  # up units 768-1535
-    assert torch.equal(layer.w_down, whole["w_down"][:, 768:])
+    assert torch.equal(layer.w_gate_up[:848], whole["w_gate_up"][688:1536])  # gate units 688-1535
+    assert torch.equal(layer.w_gate_up[848:], whole["w_gate_up"][1536 + 688 :])  # up units 688-1535
+    assert torch.equal(layer.w_down, whole["w_down"][:, 688:])
+    assert shard_model(model, 0, 2).config.intermediate_size == 688
 
 
 def test_more_ranks_than_key_value_heads_is_refused(model):
@@ -106,6 +112,37 @@ def test_the_shared_memory_all_reduce_sums_in_rank_order_call_after_call(tmp_pat
         r.close()
 
 
+def test_the_shared_memory_gather_puts_every_ranks_columns_side_by_side_on_rank_0(tmp_path):
+    """Three ranks in threads: rows of 100,000 floats fit a 2 MiB slot 5 at a time, so 12
+    rows pass in three chunks; then 1 row of small widths, then an all-reduce, to check
+    that the calls stay in step after gathers."""
+    world = 3
+    path = _mapped(tmp_path, world)
+    ranks = [SharedMemoryAllReduce(path, r, world, None, alive=lambda: True) for r in range(world)]
+    gen = torch.Generator().manual_seed(1)
+    cases = [(12, [100_000, 99_999, 100_000]), (1, [7, 5, 6])]
+    parts = [[torch.randn(R, w[r], generator=gen) for r in range(world)] for R, w in cases]
+    got: dict[int, list] = {r: [] for r in range(world)}
+    summed = [torch.full((2, 3), float(r + 1)) for r in range(world)]
+
+    def run(r):
+        for (R, widths), p in zip(cases, parts):
+            got[r].append(ranks[r].gather(p[r], widths))
+        ranks[r](summed[r])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, p in enumerate(parts):
+        assert torch.equal(got[0][i], torch.cat(p, dim=-1))
+        assert got[1][i] is None and got[2][i] is None
+    assert all(torch.equal(t, torch.full((2, 3), 6.0)) for t in summed)
+    for r in ranks:
+        r.close()
+
+
 def test_the_shared_memory_all_reduce_gives_up_on_a_rank_that_is_gone(tmp_path):
     lone = SharedMemoryAllReduce(_mapped(tmp_path, 2), 0, 2, None, alive=lambda: False)
     with pytest.raises(RuntimeError, match="rank 1 did not reach all-reduce 1: it is gone"):
@@ -119,8 +156,9 @@ def _pass(m, cache, slots, token_ids, num_tokens, trees=None):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shares_summed_in_threads_give_the_whole_models_logits(model, world_size):
-    """The split's arithmetic alone, without processes: each share runs in a thread and
-    the all-reduce adds the shares' partial sums through a barrier."""
+    """The split's arithmetic alone, without processes: each share runs in a thread, the
+    all-reduce adds the shares' partial sums through a barrier, and each share's logits
+    cover its own vocabulary ids."""
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (30,))
     shards = [shard_model(model, r, world_size) for r in range(world_size)]
@@ -150,9 +188,9 @@ def test_shares_summed_in_threads_give_the_whole_models_logits(model, world_size
         t.join()
     cache = model.new_cache(3, 64)
     whole = _pass(model, cache, [cache.allocate() for _ in range(3)], ids, [10, 12, 8])
-    for r in range(world_size):
-        assert (out[r] - whole).abs().max().item() < LOGITS_ATOL
-        assert torch.equal(out[r].argmax(-1), whole.argmax(-1))
+    logits = torch.cat([out[r] for r in range(world_size)], dim=-1)  # each share's vocabulary, in order
+    assert (logits - whole).abs().max().item() < LOGITS_ATOL
+    assert torch.equal(logits.argmax(-1), whole.argmax(-1))
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama3"])

@@ -409,6 +409,9 @@ class LlamaModel:
         #: Sums a tensor over the ranks of a tensor-parallel split, in place, after each
         #: attention and MLP (`verifier.models.tensor_parallel`); None: the whole model.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
+        #: Gathers a share's logits [R, its vocabulary] into rank 0's [R, vocabulary] (None
+        #: on the other ranks); None: the whole vocabulary is here.
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -580,10 +583,9 @@ class LlamaModel:
 
         R = logits_index.shape[0]
         head = self.lm_head if self.lm_head_packed is None else self.lm_head_packed
-        if R == 0:  # e.g. a tensor-parallel worker: its rank 0 computes the logits
-            logits = torch.empty(0, self.lm_head.shape[0], dtype=torch.float32)
-        else:
-            logits = linear(_pad_rows(final(logits_index), self.lm_head_rows(R)), head)[:R].float()
+        logits = linear(_pad_rows(final(logits_index), self.lm_head_rows(R)), head)[:R].float()
+        if self.gather_logits is not None:  # this share's vocabulary -> every id's, on rank 0
+            logits = self.gather_logits(logits)
         if hidden_index is None:
             return logits
         if hidden_layers is None:

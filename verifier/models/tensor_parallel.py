@@ -5,21 +5,24 @@ heads, with the query heads that attend through them (their rows of `wqkv`, thei
 columns of `wo`), and a contiguous share of the MLP's intermediate units (their rows of
 the gate and up projections, their columns of `w_down`). Every rank computes its share's
 partial output of the attention and of the MLP, and one all-reduce (a sum) per sub-layer
-gives every rank the full residual stream. Embeddings, norms and the LM head are
+gives every rank the full residual stream. The LM head is split by vocabulary ids: each
+rank computes its ids' logits and rank 0 gathers them. Embeddings and norms are
 replicated. Shares need not be equal: SmolLM2-135M's 3 key/value heads split 2 + 1 over
-two ranks (`shard_bounds`). A rank holds its own share of the KV cache (its heads).
+two ranks (`shard_bounds`), and the MLP's units go 688 + 848 so that both ranks' linears
+hold about as many weights (`mlp_bounds`). A rank holds its own share of the KV cache
+(its heads).
 
 Rank 0 is the engine's own model (`TensorParallelModel`, a `LlamaModel` the engine uses
 like any other). Ranks 1.. are worker processes (`python -m verifier.models.tensor_parallel`)
 that load the same checkpoint, keep their share and run every pass rank 0 runs: before a
 pass rank 0 sends them its inputs (token ids, slots, token counts, trees) and the cache
-lengths of its slots, and any `KVCache.keep` that moved entries since the last pass, over
+lengths of its slots, the rows whose logits are wanted, and any `KVCache.keep` that moved entries since the last pass, over
 a `multiprocessing.connection` socket (a random key). The all-reduces go through a file
 every rank maps (`SharedMemoryAllReduce`, x86), else through a torch.distributed gloo
 process group of the split's own (not the default group, so a process can hold several
 splits). A worker exits when rank 0 closes the connection, or dies.
 
-Only rank 0 computes logits and hidden states. The partial sums add in a fixed order
+Only rank 0 returns logits and hidden states. The partial sums add in a fixed order
 (rank 0's, then rank 1's, ...), so a given pass gives the same numbers every time; they
 differ from the unsplit model's by rounding (summed in another order), so greedy output
 under tensor parallelism is exact against plain decoding under tensor parallelism.
@@ -82,10 +85,40 @@ def check_world_size(num_kv_heads: int, world_size: int) -> None:
                                   f"key/value heads, got {world_size}")
 
 
+def mlp_bounds(num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, world_size: int,
+               rank: int, align: int = 16) -> tuple[int, int]:
+    """Rank's [start, end) of the MLP's units, sized so that every rank's linears hold
+    about the same weights: a layer's attention takes (2 q + 2 kv) * head_dim rows of
+    `hidden` from a rank with q query and kv key/value heads (q, k, v and o's columns),
+    its MLP 3 per unit (gate, up and down). A rank with fewer heads takes more units;
+    boundaries fall on multiples of `align`.
+
+    SmolLM2-135M over two ranks: 16 * 64 rows of attention on rank 0 (heads 0-5 over 0-1)
+    and 8 * 64 on rank 1, 1536 units: each should hold (1536 + 3 * 1536) / 2 = 3072 rows,
+    so rank 0 takes (3072 - 1024) / 3 = 682.7 units, 688 on a multiple of 16.
+
+    >>> [mlp_bounds(9, 3, 64, 1536, 2, r) for r in range(2)], mlp_bounds(8, 2, 64, 1536, 2, 1)
+    ([(0, 688), (688, 1536)], (768, 1536))
+    """
+    group = num_heads // num_kv_heads
+    attention = []
+    for r in range(world_size):
+        kv0, kv1 = shard_bounds(num_kv_heads, world_size, r)
+        attention.append((2 * group + 2) * (kv1 - kv0) * head_dim)
+    share = (sum(attention) + 3 * intermediate) / world_size
+    ends, total = [0], 0.0
+    for a in attention:
+        total += max(share - a, 0.0) / 3
+        ends.append(min(intermediate, int(round(total / align)) * align))
+    ends[-1] = intermediate
+    return ends[rank], max(ends[rank + 1], ends[rank])
+
+
 def shard_model(model: LlamaModel, rank: int, world_size: int) -> LlamaModel:
     """Rank's share of `model` (unpacked, plain weights): see the module docstring. The
-    result's config counts its own heads and intermediate units; embeddings, norms, the
-    LM head and RoPE tables are the same tensors as `model`'s."""
+    result's config counts its own heads and intermediate units, and its LM head holds
+    rows `vocab_bounds` of the vocabulary; embeddings, norms and RoPE tables are the same
+    tensors as `model`'s."""
     c = model.config
     check_world_size(c.num_kv_heads, world_size)
     if not 0 <= rank < world_size:
@@ -94,7 +127,8 @@ def shard_model(model: LlamaModel, rank: int, world_size: int) -> LlamaModel:
     group = H // Hkv
     kv0, kv1 = shard_bounds(Hkv, world_size, rank)
     q0, q1 = kv0 * group, kv1 * group
-    i0, i1 = shard_bounds(inter, world_size, rank)
+    i0, i1 = mlp_bounds(H, Hkv, D, inter, world_size, rank)
+    v0, v1 = shard_bounds(model.lm_head.shape[0], world_size, rank)
     qkv_rows = torch.cat([torch.arange(q0 * D, q1 * D),
                           torch.arange((H + kv0) * D, (H + kv1) * D),
                           torch.arange((H + Hkv + kv0) * D, (H + Hkv + kv1) * D)])
@@ -113,9 +147,15 @@ def shard_model(model: LlamaModel, rank: int, world_size: int) -> LlamaModel:
             w_down=dense(layer.w_down)[:, i0:i1].contiguous(),
         ))
     config = dataclasses.replace(c, num_heads=q1 - q0, num_kv_heads=kv1 - kv0, intermediate_size=i1 - i0)
-    shard = LlamaModel(config, model.embed, layers, model.final_norm, model.lm_head, model.dtype)
+    shard = LlamaModel(config, model.embed, layers, model.final_norm, model.lm_head[v0:v1].contiguous(), model.dtype)
     shard._cos, shard._sin = model._cos, model._sin  # RoPE tables (the rope scaling's factors included)
+    shard.vocab_bounds, shard.vocab_rows = (v0, v1), model.lm_head.shape[0]
     return shard
+
+
+def vocab_widths(vocab_size: int, world_size: int) -> list[int]:
+    """The LM-head rows (vocabulary ids) of each rank, in rank order."""
+    return [e - b for b, e in (shard_bounds(vocab_size, world_size, r) for r in range(world_size))]
 
 
 def _store(host: str, port: int, rank: int, world_size: int):
@@ -182,7 +222,7 @@ class SharedMemoryAllReduce:
     x86 only (its stores are seen in the order they were made; elsewhere gloo). A tensor
     over `SHM_SLOT_BYTES` (a long prefill) goes to `fallback`. On two cores a decode pass of
     one sequence split over two ranks took 63 ms this way against 139 ms through gloo
-    (the whole model on both cores: 50 ms; `README.md`).
+    (60 all-reduces; `README.md`, "A target split over processes").
 
     The spin yields the CPU after `SPINS` checks, and every `CHECK_EVERY` checks asks
     `alive` whether the other ranks still run, and gives up after `COLLECTIVE_TIMEOUT`.
@@ -228,6 +268,35 @@ class SharedMemoryAllReduce:
         t.copy_(self._slot(parity, 0, t.dtype)[:numel].view(t.shape))
         for r in range(1, self.world_size):
             t.add_(self._slot(parity, r, t.dtype)[:numel].view(t.shape))
+
+    def gather(self, t: torch.Tensor, widths: Sequence[int]) -> torch.Tensor | None:
+        """Rank 0: [R, sum(widths)] float32, every rank's [R, widths[r]] `t` side by side in
+        rank order; the other ranks: None. Passed in chunks of rows that fit a slot. Rank
+        0 publishes a chunk's call once it has read it, and the others wait for that
+        before going on, so a slot is never written before rank 0 has read it."""
+        R = t.shape[0]
+        rows = SHM_SLOT_BYTES // (4 * max(widths))
+        if rows < 1:
+            return _gather_by_sum(self._fallback, t, widths, self.rank)
+        out = torch.empty(R, sum(widths), dtype=torch.float32) if self.rank == 0 else None
+        starts = [sum(widths[:r]) for r in range(self.world_size)]
+        for lo in range(0, R, rows):
+            hi = min(lo + rows, R)
+            self._calls += 1
+            n, parity = self._calls, self._calls & 1
+            if self.rank == 0:
+                out[lo:hi, : widths[0]] = t[lo:hi]
+                for r in range(1, self.world_size):
+                    self._wait(r, n)
+                    part = self._slot(parity, r, torch.float32)[: (hi - lo) * widths[r]].view(hi - lo, widths[r])
+                    out[lo:hi, starts[r] : starts[r] + widths[r]] = part
+                self._flags[0] = n
+            else:
+                self._slot(parity, self.rank, torch.float32)[: (hi - lo) * widths[self.rank]].view(
+                    hi - lo, widths[self.rank]).copy_(t[lo:hi])
+                self._flags[8 * self.rank] = n
+                self._wait(0, n)
+        return out
 
     def _wait(self, rank: int, n: int) -> None:
         import time
@@ -285,6 +354,24 @@ def shared_memory_usable() -> bool:
             and os.environ.get("SPLITSPEC_TP_ALLREDUCE", "shm").lower() != "gloo")
 
 
+def _gather_by_sum(all_reduce, t: torch.Tensor, widths: Sequence[int], rank: int) -> torch.Tensor | None:
+    """`SharedMemoryAllReduce.gather` through an all-reduce: each rank's columns, zeros
+    elsewhere, summed."""
+    start = sum(widths[:rank])
+    full = torch.zeros(t.shape[0], sum(widths), dtype=torch.float32)
+    full[:, start : start + widths[rank]] = t
+    all_reduce(full)
+    return full if rank == 0 else None
+
+
+def _logits_gatherer(all_reduce, vocab_size: int, rank: int, world_size: int):
+    """The model's `gather_logits` hook for a rank: its LM head's columns to rank 0's full rows."""
+    widths = vocab_widths(vocab_size, world_size)
+    if isinstance(all_reduce, SharedMemoryAllReduce):
+        return lambda t: all_reduce.gather(t, widths)
+    return lambda t: _gather_by_sum(all_reduce, t, widths, rank)
+
+
 def _reducer(group) -> Any:
     def all_reduce(t: torch.Tensor) -> None:
         if t.is_contiguous():
@@ -322,6 +409,8 @@ class TensorParallelModel(LlamaModel):
         self.world_size = len(conns) + 1
         self._group, self._store, self._conns, self._procs = group, store, conns, procs
         self.all_reduce = all_reduce
+        self.vocab_bounds, self.vocab_rows = shard.vocab_bounds, shard.vocab_rows
+        self.gather_logits = _logits_gatherer(all_reduce, shard.vocab_rows, 0, self.world_size)
         self._cache_ids = itertools.count()
         #: Caches rank 0 no longer holds: the workers drop theirs with the next message.
         self._dropped: list[int] = []
@@ -445,8 +534,9 @@ class TensorParallelModel(LlamaModel):
         moves, cache.moves = cache.moves, []
         plain_trees = None if trees is None else [None if t is None else (int(t[0]), [int(p) for p in t[1]])
                                                   for t in trees]
+        index = None if logits_index is None else logits_index.numpy(force=True)
         self._send(("forward", cache.id, [cache.lens[s] for s in slots], moves,
-                    token_ids.numpy(force=True), list(slots), list(num_tokens), plain_trees))
+                    token_ids.numpy(force=True), list(slots), list(num_tokens), plain_trees, index))
         try:
             return super().forward(token_ids, slots, num_tokens, cache, logits_index, hidden_index, None,
                                    trees, hidden_layers)
@@ -502,6 +592,7 @@ def _worker(args: argparse.Namespace) -> int:
             parent = os.getppid()
             shard.all_reduce = SharedMemoryAllReduce(shm_path, args.rank, args.world_size, shard.all_reduce,
                                                      alive=lambda: os.getppid() == parent)
+        shard.gather_logits = _logits_gatherer(shard.all_reduce, shard.vocab_rows, args.rank, args.world_size)
     except (EOFError, OSError):
         return 1  # rank 0 gave up
     except Exception as exc:
@@ -509,7 +600,6 @@ def _worker(args: argparse.Namespace) -> int:
         raise
     conn.send(("ready", None))
     caches: dict[int, KVCache] = {}
-    nothing = torch.empty(0, dtype=torch.int64)
     while True:
         try:
             message = conn.recv()
@@ -521,14 +611,15 @@ def _worker(args: argparse.Namespace) -> int:
             _, cache_id, num_slots, max_len, _ = message
             caches[cache_id] = shard.new_cache(num_slots, max_len)
         elif message[0] == "forward":
-            _, cache_id, lens, moves, token_ids, slots, num_tokens, trees, _ = message
+            _, cache_id, lens, moves, token_ids, slots, num_tokens, trees, index, _ = message
             cache = caches[cache_id]
             for slot, start, indices, before in moves:
                 cache.lens[slot] = before
                 cache.keep(slot, start, indices)
             for slot, n in zip(slots, lens):
                 cache.lens[slot] = n
-            shard.forward(torch.from_numpy(token_ids), slots, num_tokens, cache, nothing, trees=trees)
+            shard.forward(torch.from_numpy(token_ids), slots, num_tokens, cache,
+                          None if index is None else torch.from_numpy(index), trees=trees)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
