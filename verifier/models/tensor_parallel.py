@@ -47,6 +47,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import weakref
 from typing import Any, Sequence
 
@@ -415,6 +416,7 @@ class TensorParallelModel(LlamaModel):
         #: Caches rank 0 no longer holds: the workers drop theirs with the next message.
         self._dropped: list[int] = []
         self._failed: BaseException | None = None
+        self._send_lock = threading.Lock()  # a cache made on one thread while another runs a pass
 
     @classmethod
     def start(cls, path: str | None, dtype: str, world_size: int, threads: int | None = None,
@@ -502,12 +504,12 @@ class TensorParallelModel(LlamaModel):
     def _send(self, message: tuple) -> None:
         if self._failed is not None:
             raise RuntimeError(f"the tensor-parallel group failed earlier: {self._failed!r}") from self._failed
-        dropped = self._dropped[:]
-        del self._dropped[: len(dropped)]  # the finalizers hold this list: keep it
-        message = message + (dropped,)
         try:
-            for conn in self._conns:
-                conn.send(message)
+            with self._send_lock:
+                dropped = self._dropped[:]
+                del self._dropped[: len(dropped)]  # the finalizers hold this list: keep it
+                for conn in self._conns:
+                    conn.send(message + (dropped,))
         except BaseException as exc:
             self._fail(exc)
             raise RuntimeError(f"a tensor-parallel worker is gone: {exc!r}") from exc
