@@ -21,7 +21,7 @@ from verifier.controller import Controller
 from verifier.engine import Engine, EngineConfig
 from verifier.errors import InvalidRequestError
 from verifier.models.tensor_parallel import (SHM_SLOT_BYTES, ShardedKVCache, SharedMemoryAllReduce, TensorParallelModel,
-                                             shard_bounds, shard_model, shm_file_bytes)
+                                             load_share, shard_bounds, shard_model, shm_file_bytes)
 from verifier.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -62,11 +62,25 @@ def test_a_share_holds_its_heads_and_units(model):
     assert shard_model(model, 0, 2).config.intermediate_size == 688
 
 
+def test_a_share_read_layer_by_layer_equals_the_share_of_the_whole_model(model):
+    """`load_share` splits each layer as the checkpoint is read; it keeps exactly what
+    splitting the loaded model keeps."""
+    read = load_share(None, "float32", 1, 2)
+    cut = shard_model(model, 1, 2)
+    assert read.config == cut.config and read.full_config == model.config
+    assert torch.equal(read.lm_head, cut.lm_head) and torch.equal(read.embed, model.embed)
+    for a, b in zip(read.layers, cut.layers):
+        for name in ("input_norm", "wqkv", "wo", "post_norm", "w_gate_up", "w_down"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_more_ranks_than_key_value_heads_is_refused(model):
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size: .*3 key/value heads, got 4"):
         shard_model(model, 0, 4)
     with pytest.raises(InvalidRequestError, match="at least 2 ranks"):
         TensorParallelModel.start(None, "float32", 1, model=model)
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size: .*got 4"):
+        load_share(None, "float32", 0, 4)  # refused at the first layer read
 
 
 def _mapped(tmp_path, world_size):

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: (the checkpoint's config, a whole layer) -> what of it to keep (`load_model`).
+LayerShare = Callable[[ModelConfig, LayerWeights], LayerWeights]
+
 _HF_LAYER = {
     "input_norm": "model.layers.{i}.input_layernorm.weight",
     "q": "model.layers.{i}.self_attn.q_proj.weight",
@@ -57,11 +60,15 @@ _GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_
 
 
 def load_model(path: str | pathlib.Path | None = None, dtype: str | torch.dtype = "float32",
-               gguf_reader=None) -> LlamaModel:
+               gguf_reader=None, layer_share: LayerShare | None = None) -> LlamaModel:
     """Load the bundled model (path None), a `.gguf` file, or an HF checkpoint directory.
 
     `gguf_reader`: an already open `gguf.GGUFReader` of that file, so a caller that also
     builds the tokenizer from it parses the file once (~5 s for the bundled model).
+    `layer_share(config, layer)`: what to keep of each layer, applied as it is read, so
+    that no more than one whole layer is in memory at a time (a tensor-parallel rank's
+    share, `verifier.models.tensor_parallel.load_share`); the model's config stays the
+    checkpoint's.
     """
     from verifier.models.bundled import bundled_model_path
 
@@ -70,9 +77,9 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str | torch.dtype 
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     p = pathlib.Path(path) if path is not None else bundled_model_path()
     if p.is_dir():
-        return _load_hf_dir(p, torch_dtype)
+        return _load_hf_dir(p, torch_dtype, layer_share)
     if p.suffix == ".gguf" and p.is_file():
-        return _load_gguf(p, torch_dtype, gguf_reader)
+        return _load_gguf(p, torch_dtype, gguf_reader, layer_share)
     raise ModelLoadError(f"model path {str(p)!r} is neither a .gguf file nor a checkpoint directory")
 
 
@@ -108,7 +115,7 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: pathlib.Path, dtype: torch.dtype, reader=None) -> LlamaModel:
+def _load_gguf(path: pathlib.Path, dtype: torch.dtype, reader=None, layer_share: LayerShare | None = None) -> LlamaModel:
     import gguf
 
     reader = reader if reader is not None else gguf.GGUFReader(str(path))
@@ -164,10 +171,11 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, reader=None) -> LlamaMode
         return w
 
     freq_factors = get("rope_freqs.weight")
-    return _assemble(config, get, _GGUF_GLOBAL, _GGUF_LAYER, dtype, freq_factors, source=path.name)
+    return _assemble(config, get, _GGUF_GLOBAL, _GGUF_LAYER, dtype, freq_factors, source=path.name,
+                     layer_share=layer_share)
 
 
-def _load_hf_dir(path: pathlib.Path, dtype: torch.dtype) -> LlamaModel:
+def _load_hf_dir(path: pathlib.Path, dtype: torch.dtype, layer_share: LayerShare | None = None) -> LlamaModel:
     from safetensors import safe_open
 
     cfg_path = path / "config.json"
@@ -187,7 +195,7 @@ def _load_hf_dir(path: pathlib.Path, dtype: torch.dtype) -> LlamaModel:
         h = handles.get(name)
         return None if h is None else h.get_tensor(name).float()
 
-    return _assemble(config, get, _HF_GLOBAL, _HF_LAYER, dtype, None, source=str(path))
+    return _assemble(config, get, _HF_GLOBAL, _HF_LAYER, dtype, None, source=str(path), layer_share=layer_share)
 
 
 def _assemble(
@@ -198,6 +206,7 @@ def _assemble(
     dtype: torch.dtype,
     freq_factors: torch.Tensor | None,
     source: str,
+    layer_share: LayerShare | None = None,
 ) -> LlamaModel:
     def need(name: str) -> torch.Tensor:
         t = get(name)
@@ -210,17 +219,16 @@ def _assemble(
         n = {key: tmpl.format(i=i) for key, tmpl in layer_names.items()}
         biases = [get(n[b]) for b in ("q_bias", "k_bias", "v_bias")]
         bqkv = torch.cat(biases).to(dtype) if all(b is not None for b in biases) else None
-        layers.append(
-            LayerWeights(
-                input_norm=need(n["input_norm"]),
-                wqkv=torch.cat([need(n["q"]), need(n["k"]), need(n["v"])]).contiguous(),
-                bqkv=bqkv,
-                wo=need(n["o"]),
-                post_norm=need(n["post_norm"]),
-                w_gate_up=torch.cat([need(n["gate"]), need(n["up"])]).contiguous(),
-                w_down=need(n["down"]),
-            )
+        layer = LayerWeights(
+            input_norm=need(n["input_norm"]),
+            wqkv=torch.cat([need(n["q"]), need(n["k"]), need(n["v"])]).contiguous(),
+            bqkv=bqkv,
+            wo=need(n["o"]),
+            post_norm=need(n["post_norm"]),
+            w_gate_up=torch.cat([need(n["gate"]), need(n["up"])]).contiguous(),
+            w_down=need(n["down"]),
         )
+        layers.append(layer if layer_share is None else layer_share(config, layer))
     embed = need(global_names["embed"])
     lm_head = get(global_names["lm_head"])
     lm_head = embed if (lm_head is None or config.tie_word_embeddings) else lm_head.to(dtype)

@@ -115,43 +115,63 @@ def mlp_bounds(num_heads: int, num_kv_heads: int, head_dim: int, intermediate: i
     return ends[rank], max(ends[rank + 1], ends[rank])
 
 
-def shard_model(model: LlamaModel, rank: int, world_size: int) -> LlamaModel:
-    """Rank's share of `model` (unpacked, plain weights): see the module docstring. The
-    result's config counts its own heads and intermediate units, and its LM head holds
-    rows `vocab_bounds` of the vocabulary; embeddings, norms and RoPE tables are the same
-    tensors as `model`'s."""
-    c = model.config
+def shard_layer(c, layer: LayerWeights, rank: int, world_size: int) -> LayerWeights:
+    """Rank's share of one layer of a model with config `c` (see the module docstring)."""
     check_world_size(c.num_kv_heads, world_size)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} of {world_size}")
+    if layer.hidden_norm is not None:
+        raise ValueError("tensor parallelism splits target models, not EAGLE-3 heads")
     H, Hkv, D, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     group = H // Hkv
     kv0, kv1 = shard_bounds(Hkv, world_size, rank)
     q0, q1 = kv0 * group, kv1 * group
     i0, i1 = mlp_bounds(H, Hkv, D, inter, world_size, rank)
-    v0, v1 = shard_bounds(model.lm_head.shape[0], world_size, rank)
     qkv_rows = torch.cat([torch.arange(q0 * D, q1 * D),
                           torch.arange((H + kv0) * D, (H + kv1) * D),
                           torch.arange((H + Hkv + kv0) * D, (H + Hkv + kv1) * D)])
     gate_up_rows = torch.cat([torch.arange(i0, i1), torch.arange(inter + i0, inter + i1)])
-    layers = []
-    for layer in model.layers:
-        if layer.hidden_norm is not None:
-            raise ValueError("tensor parallelism splits target models, not EAGLE-3 heads")
-        layers.append(LayerWeights(
-            input_norm=layer.input_norm,
-            wqkv=dense(layer.wqkv).index_select(0, qkv_rows).contiguous(),
-            bqkv=None if layer.bqkv is None else layer.bqkv.index_select(0, qkv_rows).contiguous(),
-            wo=dense(layer.wo)[:, q0 * D : q1 * D].contiguous(),
-            post_norm=layer.post_norm,
-            w_gate_up=dense(layer.w_gate_up).index_select(0, gate_up_rows).contiguous(),
-            w_down=dense(layer.w_down)[:, i0:i1].contiguous(),
-        ))
-    config = dataclasses.replace(c, num_heads=q1 - q0, num_kv_heads=kv1 - kv0, intermediate_size=i1 - i0)
+    return LayerWeights(
+        input_norm=layer.input_norm,
+        wqkv=dense(layer.wqkv).index_select(0, qkv_rows).contiguous(),
+        bqkv=None if layer.bqkv is None else layer.bqkv.index_select(0, qkv_rows).contiguous(),
+        wo=dense(layer.wo)[:, q0 * D : q1 * D].contiguous(),
+        post_norm=layer.post_norm,
+        w_gate_up=dense(layer.w_gate_up).index_select(0, gate_up_rows).contiguous(),
+        w_down=dense(layer.w_down)[:, i0:i1].contiguous(),
+    )
+
+
+def shard_model(model: LlamaModel, rank: int, world_size: int, layers_split: bool = False) -> LlamaModel:
+    """Rank's share of `model` (see the module docstring); `layers_split`: its layers are
+    already this rank's (`load_share`). The result's config counts its own heads and
+    intermediate units, and its LM head holds rows `vocab_bounds` of the vocabulary;
+    embeddings, norms and RoPE tables are the same tensors as `model`'s."""
+    c = model.config
+    check_world_size(c.num_kv_heads, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of {world_size}")
+    group = c.num_heads // c.num_kv_heads
+    kv0, kv1 = shard_bounds(c.num_kv_heads, world_size, rank)
+    i0, i1 = mlp_bounds(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, world_size, rank)
+    v0, v1 = shard_bounds(model.lm_head.shape[0], world_size, rank)
+    layers = model.layers if layers_split else [shard_layer(c, layer, rank, world_size) for layer in model.layers]
+    config = dataclasses.replace(c, num_heads=(kv1 - kv0) * group, num_kv_heads=kv1 - kv0, intermediate_size=i1 - i0)
     shard = LlamaModel(config, model.embed, layers, model.final_norm, model.lm_head[v0:v1].contiguous(), model.dtype)
     shard._cos, shard._sin = model._cos, model._sin  # RoPE tables (the rope scaling's factors included)
     shard.vocab_bounds, shard.vocab_rows = (v0, v1), model.lm_head.shape[0]
+    shard.full_config = c  # the whole model's
     return shard
+
+
+def load_share(path: str | None, dtype: str, rank: int, world_size: int) -> LlamaModel:
+    """Rank's share of the checkpoint at `path` (None: the bundled model), each layer split
+    as it is read: one whole layer at a time is in memory, beside the embeddings and the
+    LM head (an untied head is freed once sliced)."""
+    from verifier.models.loader import load_model
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of {world_size}")
+    model = load_model(path, dtype, layer_share=lambda c, layer: shard_layer(c, layer, rank, world_size))
+    return shard_model(model, rank, world_size, layers_split=True)
 
 
 def vocab_widths(vocab_size: int, world_size: int) -> list[int]:
@@ -402,11 +422,11 @@ class ShardedKVCache(KVCache):
 class TensorParallelModel(LlamaModel):
     """Rank 0 of a tensor-parallel target: the engine's model. Build it with `start`."""
 
-    def __init__(self, shard: LlamaModel, full_config, all_reduce, group, store, conns: list, procs: list) -> None:
+    def __init__(self, shard: LlamaModel, all_reduce, group, store, conns: list, procs: list) -> None:
         super().__init__(shard.config, shard.embed, shard.layers, shard.final_norm, shard.lm_head, shard.dtype)
         self._cos, self._sin = shard._cos, shard._sin
         #: The whole model's config (`config` is this rank's share: its heads, its units).
-        self.full_config = full_config
+        self.full_config = shard.full_config
         self.world_size = len(conns) + 1
         self._group, self._store, self._conns, self._procs = group, store, conns, procs
         self.all_reduce = all_reduce
@@ -424,9 +444,9 @@ class TensorParallelModel(LlamaModel):
         """Split the target at `path` (None: the bundled model) over `world_size` ranks:
         this process (rank 0, keeping its share of `model` when given, else loading it) and
         `world_size - 1` worker processes started here, each loading the checkpoint itself.
-        `threads`: torch threads of each worker (default: this process's)."""
-        from verifier.models.loader import load_model
-
+        `threads`: torch threads of each worker (default: this process's). Every rank
+        that loads the checkpoint keeps only its share of each layer as it reads it
+        (`load_share`)."""
         if world_size < 2:
             raise InvalidRequestError("tensor_parallel_size", f"a split needs at least 2 ranks, got {world_size}")
         if model is not None:
@@ -446,11 +466,7 @@ class TensorParallelModel(LlamaModel):
                 if path is not None:
                     cmd += ["--model", str(path)]
                 procs.append(subprocess.Popen(cmd, env=env))
-            if model is None:
-                model = load_model(path, dtype)
-            check_world_size(model.config.num_kv_heads, world_size)
-            shard = shard_model(model, 0, world_size)
-            full_config = model.config
+            shard = load_share(path, dtype, 0, world_size) if model is None else shard_model(model, 0, world_size)
             del model
             conns = _accept(listener, procs)
             for rank, conn in enumerate(conns, 1):
@@ -480,7 +496,7 @@ class TensorParallelModel(LlamaModel):
                 os.unlink(shm_path)  # every rank has mapped it (or failed): nothing left behind
         logger.info("target split over %d ranks (all-reduce through %s), worker pids %s", world_size,
                     "shared memory" if shm_path is not None else "gloo", [p.pid for p in procs])
-        return cls(shard, full_config, all_reduce, group, store, conns, procs)
+        return cls(shard, all_reduce, group, store, conns, procs)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -573,8 +589,6 @@ class TensorParallelModel(LlamaModel):
 def _worker(args: argparse.Namespace) -> int:
     import signal
 
-    from verifier.models.loader import load_model
-
     # Ctrl-C in a terminal reaches the whole process group: rank 0 decides when this ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(args.threads)
@@ -582,9 +596,7 @@ def _worker(args: argparse.Namespace) -> int:
     conn = mpc.Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))
     conn.send(args.rank)
     try:
-        model = load_model(args.model, args.dtype)
-        shard = shard_model(model, args.rank, args.world_size)
-        del model
+        shard = load_share(args.model, args.dtype, args.rank, args.world_size)
         shard.pack_weights()
         conn.send(("loaded", None))
         _, store_port, shm_path = conn.recv()
