@@ -147,9 +147,9 @@ class VerifierReplica:
     async def __init__(self, config: dict[str, Any], *proposers) -> None:
         import torch
 
-        from cluster.local import (engine_from_config, load_model_and_tokenizer, load_tokenizer, split_model,
-                                   verifier_threads)
+        from cluster.local import engine_from_config, load_model_and_tokenizer, load_tokenizer, verifier_threads
         from cluster.metrics import RayEngineMetrics
+        from verifier.models.tensor_parallel import TensorParallelModel
         from verifier.models.vocab import VocabFingerprint
         from proposers.registry import NEEDS_HIDDEN_STATES, build_proposer, hidden_state_layers
         from verifier.routing import RoutedProposalSource
@@ -162,7 +162,7 @@ class VerifierReplica:
             torch.set_num_threads(threads)
         if v.tensor_parallel_size > 1:  # each rank reads only its share of the layers
             tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer)
-            model = split_model(None, cfg.model.path, cfg.model.dtype, v.tensor_parallel_size, threads)
+            model = TensorParallelModel.start(cfg.model.path, cfg.model.dtype, v.tensor_parallel_size, threads)
         else:
             model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.tokenizer, cfg.model.dtype)
         # deployment name of each deployed method, from the handles Serve passed in (`build_app`)

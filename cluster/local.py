@@ -85,15 +85,15 @@ def verifier_threads(verifier: VerifierConfig) -> int | None:
     return threads
 
 
-def split_model(model: LlamaModel | None, path: str | None, dtype: str, tensor_parallel_size: int,
+def split_model(model: LlamaModel, path: str | None, dtype: str, tensor_parallel_size: int,
                 threads: int | None = None) -> LlamaModel:
-    """`model` itself when `tensor_parallel_size` is 1, else rank 0 of it split over that
-    many ranks (`TensorParallelModel`; the workers load `path` themselves, and so does this
-    process when `model` is None, keeping only its share). Each rank runs `threads` torch
-    threads; None: this process's share of its own, which this process then keeps too
-    (its model thread included), so the ranks do not crowd its cores."""
+    """`model` itself when `tensor_parallel_size` is 1 (or it is split already), else rank 0
+    of it split over that many ranks (`TensorParallelModel`; the workers load `path`
+    themselves). Each rank runs `threads` torch threads; None: this process's share of its
+    own, which this process then keeps too (its model thread included), so the ranks do
+    not crowd its cores."""
     if tensor_parallel_size == 1 or isinstance(model, TensorParallelModel):
-        return model if model is not None else load_model_and_tokenizer(path, None, dtype)[0]
+        return model
     if threads is None:
         import torch
 

@@ -58,10 +58,11 @@ class KVCache:
         self.lens[slot] = 0
         self._free.append(slot)
 
-    def keep(self, slot: int, start: int, indices: list[int]) -> None:
+    def keep(self, slot: int, start: int, indices: list[int]) -> bool:
         """Keep, after the first `start` positions, only the entries at `indices` (ascending,
         each >= start), moved to start, start + 1, ...: the accepted path of a verified
-        token tree. Copies len(indices) entries per layer, none when they are in place."""
+        token tree. Copies len(indices) entries per layer, none when they are in place;
+        returns whether any moved."""
         assert all(a < b for a, b in zip([start - 1] + indices, indices)), f"{start=} {indices=}"
         assert not indices or indices[-1] < self.lens[slot], f"{indices=} {self.lens[slot]=}"
         moved = [(start + j, i) for j, i in enumerate(indices) if i != start + j]
@@ -71,6 +72,7 @@ class KVCache:
             for buf in (self.k, self.v):
                 buf[:, slot, :, dst] = buf[:, slot, :, src]
         self.lens[slot] = start + len(indices)
+        return bool(moved)
 
     def rollback(self, slot: int, new_len: int) -> None:
         """Keep only the first `new_len` positions of `slot` (rejected drafts are dropped)."""

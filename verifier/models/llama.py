@@ -460,6 +460,13 @@ class LlamaModel:
             return self.gemm_rows(n)
         return lm_head_rows(n) if self.device.type == "cpu" else n
 
+    def check_hidden_layers(self, hidden_layers: Sequence[int] | None) -> None:
+        """Raise `ValueError` unless every index of `forward`'s `hidden_layers` names a layer
+        (or, `num_layers`, the last one's output)."""
+        if hidden_layers is not None and any(not 0 <= i <= len(self.layers) for i in hidden_layers):
+            raise ValueError(f"hidden_layers {list(hidden_layers)}: this model has layers 0..{len(self.layers) - 1} "
+                             f"(index {len(self.layers)}: the last one's output)")
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, num_slots, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device)
@@ -507,9 +514,7 @@ class LlamaModel:
         c = self.config
         T = token_ids.shape[0]
         assert T == sum(num_tokens), f"{T=} {num_tokens=}"
-        if hidden_layers is not None and any(not 0 <= i <= len(self.layers) for i in hidden_layers):
-            raise ValueError(f"hidden_layers {list(hidden_layers)}: this model has layers 0..{len(self.layers) - 1} "
-                             f"(index {len(self.layers)}: the last one's output)")
+        self.check_hidden_layers(hidden_layers)
         spans: list[_SeqSpan] = []
         positions = torch.empty(T, dtype=torch.int64)  # RoPE positions
         store = torch.empty(T, dtype=torch.int64)  # cache indices

@@ -115,16 +115,24 @@ def mlp_bounds(num_heads: int, num_kv_heads: int, head_dim: int, intermediate: i
     return ends[rank], max(ends[rank + 1], ends[rank])
 
 
+def _share(c, rank: int, world_size: int) -> tuple[int, int, int, int, int, int]:
+    """(kv0, kv1, q0, q1, i0, i1): rank's key/value heads, query heads and MLP units of a
+    model with config `c`, each [start, end)."""
+    check_world_size(c.num_kv_heads, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of {world_size}")
+    group = c.num_heads // c.num_kv_heads
+    kv0, kv1 = shard_bounds(c.num_kv_heads, world_size, rank)
+    i0, i1 = mlp_bounds(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, world_size, rank)
+    return kv0, kv1, kv0 * group, kv1 * group, i0, i1
+
+
 def shard_layer(c, layer: LayerWeights, rank: int, world_size: int) -> LayerWeights:
     """Rank's share of one layer of a model with config `c` (see the module docstring)."""
-    check_world_size(c.num_kv_heads, world_size)
     if layer.hidden_norm is not None:
         raise ValueError("tensor parallelism splits target models, not EAGLE-3 heads")
+    kv0, kv1, q0, q1, i0, i1 = _share(c, rank, world_size)
     H, Hkv, D, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-    group = H // Hkv
-    kv0, kv1 = shard_bounds(Hkv, world_size, rank)
-    q0, q1 = kv0 * group, kv1 * group
-    i0, i1 = mlp_bounds(H, Hkv, D, inter, world_size, rank)
     qkv_rows = torch.cat([torch.arange(q0 * D, q1 * D),
                           torch.arange((H + kv0) * D, (H + kv1) * D),
                           torch.arange((H + Hkv + kv0) * D, (H + Hkv + kv1) * D)])
@@ -146,15 +154,10 @@ def shard_model(model: LlamaModel, rank: int, world_size: int, layers_split: boo
     intermediate units, and its LM head holds rows `vocab_bounds` of the vocabulary;
     embeddings, norms and RoPE tables are the same tensors as `model`'s."""
     c = model.config
-    check_world_size(c.num_kv_heads, world_size)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} of {world_size}")
-    group = c.num_heads // c.num_kv_heads
-    kv0, kv1 = shard_bounds(c.num_kv_heads, world_size, rank)
-    i0, i1 = mlp_bounds(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, world_size, rank)
+    kv0, kv1, q0, q1, i0, i1 = _share(c, rank, world_size)
     v0, v1 = shard_bounds(model.lm_head.shape[0], world_size, rank)
     layers = model.layers if layers_split else [shard_layer(c, layer, rank, world_size) for layer in model.layers]
-    config = dataclasses.replace(c, num_heads=(kv1 - kv0) * group, num_kv_heads=kv1 - kv0, intermediate_size=i1 - i0)
+    config = dataclasses.replace(c, num_heads=q1 - q0, num_kv_heads=kv1 - kv0, intermediate_size=i1 - i0)
     shard = LlamaModel(config, model.embed, layers, model.final_norm, model.lm_head[v0:v1].contiguous(), model.dtype)
     shard._cos, shard._sin = model._cos, model._sin  # RoPE tables (the rope scaling's factors included)
     shard.vocab_bounds, shard.vocab_rows = (v0, v1), model.lm_head.shape[0]
@@ -168,8 +171,6 @@ def load_share(path: str | None, dtype: str, rank: int, world_size: int) -> Llam
     LM head (an untied head is freed once sliced)."""
     from verifier.models.loader import load_model
 
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} of {world_size}")
     model = load_model(path, dtype, layer_share=lambda c, layer: shard_layer(c, layer, rank, world_size))
     return shard_model(model, rank, world_size, layers_split=True)
 
@@ -413,10 +414,12 @@ class ShardedKVCache(KVCache):
         #: (slot, start, indices, the slot's length before): sent with the next pass.
         self.moves: list[tuple[int, int, list[int], int]] = []
 
-    def keep(self, slot: int, start: int, indices: list[int]) -> None:
-        if any(i != start + j for j, i in enumerate(indices)):
-            self.moves.append((slot, start, list(indices), self.lens[slot]))
-        super().keep(slot, start, indices)
+    def keep(self, slot: int, start: int, indices: list[int]) -> bool:
+        before = self.lens[slot]
+        moved = super().keep(slot, start, indices)
+        if moved:
+            self.moves.append((slot, start, list(indices), before))
+        return moved
 
 
 class TensorParallelModel(LlamaModel):
@@ -430,7 +433,6 @@ class TensorParallelModel(LlamaModel):
         self.world_size = len(conns) + 1
         self._group, self._store, self._conns, self._procs = group, store, conns, procs
         self.all_reduce = all_reduce
-        self.vocab_bounds, self.vocab_rows = shard.vocab_bounds, shard.vocab_rows
         self.gather_logits = _logits_gatherer(all_reduce, shard.vocab_rows, 0, self.world_size)
         self._cache_ids = itertools.count()
         #: Caches rank 0 no longer holds: the workers drop theirs with the next message.
@@ -449,8 +451,8 @@ class TensorParallelModel(LlamaModel):
         (`load_share`)."""
         if world_size < 2:
             raise InvalidRequestError("tensor_parallel_size", f"a split needs at least 2 ranks, got {world_size}")
-        if model is not None:
-            check_world_size(model.config.num_kv_heads, world_size)
+        shard = None if model is None else shard_model(model, 0, world_size)  # refused before any worker starts
+        del model
         host = "127.0.0.1"
         authkey = secrets.token_bytes(16)
         listener = mpc.Listener((host, 0), authkey=authkey)
@@ -466,8 +468,8 @@ class TensorParallelModel(LlamaModel):
                 if path is not None:
                     cmd += ["--model", str(path)]
                 procs.append(subprocess.Popen(cmd, env=env))
-            shard = load_share(path, dtype, 0, world_size) if model is None else shard_model(model, 0, world_size)
-            del model
+            if shard is None:
+                shard = load_share(path, dtype, 0, world_size)
             conns = _accept(listener, procs)
             for rank, conn in enumerate(conns, 1):
                 _expect(conn, rank, "loaded", procs[rank - 1])
@@ -547,8 +549,7 @@ class TensorParallelModel(LlamaModel):
             raise ValueError("a tensor-parallel target reads token ids, not input_embeds")
         if not isinstance(cache, ShardedKVCache):
             raise ValueError("a tensor-parallel target needs a cache of its own (new_cache)")
-        if hidden_layers is not None and any(not 0 <= i <= len(self.layers) for i in hidden_layers):
-            raise ValueError(f"hidden_layers {list(hidden_layers)}: this model has layers 0..{len(self.layers) - 1}")
+        self.check_hidden_layers(hidden_layers)  # before the workers start the pass
         moves, cache.moves = cache.moves, []
         plain_trees = None if trees is None else [None if t is None else (int(t[0]), [int(p) for p in t[1]])
                                                   for t in trees]
