@@ -99,7 +99,10 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stop=tuple(args.stop or ()),
+        logprobs=args.logprobs,
     ).validate()
+    if args.logprobs is not None and not args.json:
+        raise InvalidRequestError("logprobs", "are printed with --json only")
     if args.k < 0:
         raise InvalidRequestError("k", f"must be >= 0, got {args.k}")
     if args.tensor_parallel_size < 1:
@@ -116,12 +119,15 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_text = tok.apply_chat_template([{"role": "user", "content": prompt_text}])
     prompt_ids = tok.encode(prompt_text)
 
+    logprobs: list = []
+
     async def run() -> tuple[list[int], str, object, str]:
         token_ids: list[int] = []
         pieces: list[str] = []
         async for out in engine.generate(prompt_ids, params):
             token_ids.extend(out.token_ids)
             pieces.append(out.text)
+            logprobs.extend(out.logprobs or ())
             if not args.json:
                 sys.stdout.write(out.text)
                 sys.stdout.flush()
@@ -148,6 +154,10 @@ def _generate(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "tensor_parallel_size": args.tensor_parallel_size,
             "stats": summary,
+            **({} if args.logprobs is None else {"logprobs": [
+                {"token_id": lp.token_id, "token": tok.token_text(lp.token_id), "logprob": lp.logprob,
+                 "top_logprobs": [{"token_id": t, "token": tok.token_text(t), "logprob": v} for t, v in lp.top]}
+                for lp in logprobs]}),
         }))
     else:
         print()
@@ -337,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each output token's log probability and the N most likely tokens' (0-20)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     _add_engine_args(g)
     g.set_defaults(func=_generate)

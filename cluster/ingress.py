@@ -28,6 +28,7 @@ from ray.serve.exceptions import BackPressureError
 
 from protos import trace_context
 from protos.splitspec.v1 import generate_pb2
+from verifier.sampling_params import MAX_LOGPROBS
 from verifier.server import GenerateInput
 
 #: Import path of the gRPC servicer Serve's gRPC proxy registers.
@@ -70,7 +71,6 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     speculation: SpeculationRequest | None = None
@@ -81,6 +81,8 @@ class CompletionBody(_Common):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
+    #: The chosen token's log probability and this many alternatives', per output token.
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
 
 class ChatMessage(_Body):
@@ -91,6 +93,8 @@ class ChatMessage(_Body):
 class ChatCompletionBody(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
 
 class ApiError(Exception):
@@ -130,11 +134,9 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         raise ApiError(400, f"{param}: {e['msg']} (given: {e.get('input')!r})", param) from None
 
 
-def _common_input(body: _Common, request_id: str, max_tokens: int | None) -> dict[str, Any]:
+def _common_input(body: _Common, request_id: str, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
     if body.n != 1:
         raise ApiError(400, "n: only n = 1 is supported", "n")
-    if body.logprobs not in (None, False, 0):
-        raise ApiError(400, "logprobs: not supported", "logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise ApiError(400, f"{name}: not supported (must be 0)", name)
@@ -146,7 +148,39 @@ def _common_input(body: _Common, request_id: str, max_tokens: int | None) -> dic
         request_id=request_id, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
         speculation_mode=spec.mode, speculation_method=spec.method, speculation_max_k=spec.max_k,
+        logprobs=logprobs,
     )
+
+
+def _completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+    """The completions API's `logprobs` for these tokens, the first at `offset` characters
+    into the output text (each token's text advances it). `top_logprobs` holds the chosen
+    token beside the alternatives, as OpenAI and vLLM do."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
+                         for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _pb_logprob(e: dict[str, Any]) -> generate_pb2.TokenLogprob:
+    return generate_pb2.TokenLogprob(token_id=e["token_id"], token=e["token"], bytes=bytes(e["bytes"]),
+                                     logprob=e["logprob"], top_logprobs=[_pb_logprob(t) for t in e.get("top_logprobs", ())])
+
+
+def _chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat API's `logprobs`: `content`, one entry per token, with `top_logprobs`."""
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e["top_logprobs"]]} for e in entries],
+            "refusal": None}
 
 
 def _error_from_event(event: dict[str, Any]) -> ApiError:
@@ -235,23 +269,30 @@ class Ingress:
                 media_type="text/event-stream")
         try:
             text, token_ids, final = [first.get("text", "")], list(first.get("token_ids", [])), first
+            logprobs = None if inp.logprobs is None else list(first.get("logprobs", []))
             async for event in stream:
                 text.append(event.get("text", ""))
                 token_ids.extend(event.get("token_ids", []))
+                if logprobs is not None:
+                    logprobs.extend(event.get("logprobs", []))
                 final = event
         finally:
             span.end()
-        out = self._full_response(rid, "".join(text), final, chat)
+        out = self._full_response(rid, "".join(text), final, chat, logprobs)
         if body.return_token_ids:
             out["choices"][0]["token_ids"] = token_ids
         return JSONResponse(out)
 
-    def _full_response(self, rid: str, text: str, final: dict[str, Any], chat: bool) -> dict[str, Any]:
+    def _full_response(self, rid: str, text: str, final: dict[str, Any], chat: bool,
+                       logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": final["finish_reason"]}
+                      "logprobs": None if logprobs is None else _chat_logprobs(logprobs),
+                      "finish_reason": final["finish_reason"]}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final["finish_reason"]}
+            choice = {"index": 0, "text": text,
+                      "logprobs": None if logprobs is None else _completion_logprobs(logprobs, 0),
+                      "finish_reason": final["finish_reason"]}
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": self.model_name, "choices": [choice], "usage": final["usage"],
@@ -262,15 +303,22 @@ class Ingress:
                           include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        text_offset = 0  # the completions API's: characters of tokens streamed so far
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        def chunk(text: str | None, finish: str | None, role: bool = False,
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+            nonlocal text_offset
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta,
+                          "logprobs": None if logprobs is None else _chat_logprobs(logprobs), "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                if logprobs is not None:
+                    choice["logprobs"] = _completion_logprobs(logprobs, text_offset)
+                    text_offset += sum(len(e["token"]) for e in logprobs)
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
 
         if chat:  # OpenAI opens a chat stream with the role
@@ -279,7 +327,8 @@ class Ingress:
         while True:
             final = event["event"] == "final"
             if event.get("text") or event.get("token_ids") or final:
-                data = chunk(event.get("text", ""), event["finish_reason"] if final else None)
+                data = chunk(event.get("text", ""), event["finish_reason"] if final else None,
+                             logprobs=event.get("logprobs"))
                 if token_ids:
                     data["choices"][0]["token_ids"] = event.get("token_ids", [])
                 if final:
@@ -346,7 +395,7 @@ class Ingress:
                     raise ApiError(400, "prompt: only one prompt per request is supported", "prompt")
                 prompt = prompt[0]
             rid = f"cmpl-{uuid.uuid4().hex}"
-            fields = _common_input(body, rid, body.max_tokens)
+            fields = _common_input(body, rid, body.max_tokens, body.logprobs)
             if isinstance(prompt, list):
                 inp = GenerateInput(prompt_token_ids=tuple(prompt), **fields)
             else:
@@ -370,7 +419,10 @@ class Ingress:
                 messages.append({"role": m.role, "content": content})
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            inp = GenerateInput(messages=tuple(messages), **_common_input(body, rid, max_tokens))
+            if body.top_logprobs is not None and not body.logprobs:
+                raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            inp = GenerateInput(messages=tuple(messages), **_common_input(body, rid, max_tokens, logprobs))
         except ApiError as exc:
             return exc.response()
         return await self._run(body, inp, chat=True)
@@ -403,6 +455,7 @@ class Ingress:
         while True:
             message = generate_pb2.GenerateResponse(request_id=rid, token_ids=event.get("token_ids", []),
                                                     text=event.get("text", ""))
+            message.logprobs.extend(_pb_logprob(e) for e in event.get("logprobs", ()))
             if event["event"] == "final":
                 message.finish_reason = event["finish_reason"]
                 message.usage.CopyFrom(generate_pb2.Usage(**event["usage"]))
@@ -434,8 +487,8 @@ class Ingress:
             request_id=rid, max_tokens=16, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
             speculation_mode=spec.mode or "auto", speculation_method=spec.method or None,
         )
-        fields.update({name: getattr(r, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
-                       if r.HasField(name)})
+        fields.update({name: getattr(r, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                                                            "logprobs") if r.HasField(name)})
         if spec.HasField("max_k"):
             fields["speculation_max_k"] = spec.max_k
         if which == "prompt":

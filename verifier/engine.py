@@ -44,9 +44,9 @@ from verifier.models.threads import cpu_worker, release_openmp_threads, run_on_c
 from verifier.controller import Controller, SequenceView, StepTimeModel, fallback_problem
 from verifier.observer import EngineObserver
 from verifier.rejection_sampler import greedy_accept, rejection_sample
-from verifier.sampling import logits_to_probs
+from verifier.sampling import logits_to_probs, token_logprobs
 from verifier.sampling_params import SamplingParams
-from verifier.sequence import FinishReason, RequestOutput, Sequence, SequenceStats
+from verifier.sequence import FinishReason, RequestOutput, Sequence, SequenceStats, TokenLogprob
 from verifier.token_tree import first_chain, greedy_accept_tree, sample_accept_tree, tree_depths, tree_prefix
 from verifier import tracing
 from verifier.aio import await_all
@@ -126,6 +126,8 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     stats: SequenceStats
+    #: One per token of `token_ids` when the request asked for them (`SamplingParams.logprobs`).
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -150,6 +152,8 @@ class _Work:
     #: The k this round asked its method for (0: none asked), and the decision's reason.
     asked_k: int = 0
     decided: str = ""
+    #: The emitted tokens' log probabilities, when the request asked for them.
+    logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         self.span = tracing.start_round(self.seq.span, prefill=not self.seq.output_token_ids)
@@ -453,12 +457,16 @@ class Engine:
         async def one(prompt: Seq[int], p: SamplingParams) -> GenerationResult:
             token_ids: list[int] = []
             text: list[str] = []
+            logprobs: list[TokenLogprob] | None = None if p.logprobs is None else []
             rid = f"gen-{next(self._ids)}"
             async for out in self.generate(prompt, p, request_id=rid, max_k=max_k, mode=mode, method=method):
                 token_ids.extend(out.token_ids)
                 text.append(out.text)
+                if logprobs is not None:
+                    logprobs.extend(out.logprobs)
                 if out.finished:
-                    return GenerationResult(rid, list(prompt), token_ids, "".join(text), out.finish_reason, out.stats)
+                    return GenerationResult(rid, list(prompt), token_ids, "".join(text), out.finish_reason, out.stats,
+                                            logprobs)
             raise AssertionError("stream ended without a final event")
 
         return list(await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, per_request))))
@@ -883,6 +891,9 @@ class Engine:
                     num_accepted, emitted = rejection_sample(probs, w.draft_token_ids, q, w.seq.generator)
                 accepted = list(range(num_accepted))
             w.num_accepted, w.emitted = len(accepted), [int(t) for t in emitted]
+            if p.logprobs is not None:  # each emitted token from the row that verified it
+                rows = [row] + [row + 1 + a for a in accepted]
+                w.logprobs = token_logprobs(logits[rows], w.emitted, p.logprobs)
             # Keep the KV of the inputs that were right: those before the drafts (the last
             # token, or a prefill's prompt) and the accepted drafts, a tree's moved into place
             # (a chain's already are: `keep` is then a rollback).
@@ -945,10 +956,12 @@ class Engine:
         if work.span is not None:
             tracing.end_round(work.span, work.method, k, work.num_accepted, work.reason, len(new_tokens))
         self.stats.num_output_tokens += len(new_tokens)
+        logprobs = None if work.logprobs is None else work.logprobs[: len(new_tokens)]
         if finish is None:
-            seq.outputs.put_nowait(RequestOutput(seq.request_id, new_tokens, "".join(text)))
+            seq.outputs.put_nowait(RequestOutput(seq.request_id, new_tokens, "".join(text), logprobs=logprobs))
             return
-        seq.outputs.put_nowait(RequestOutput(seq.request_id, new_tokens, "".join(text), True, finish, seq.stats))
+        seq.outputs.put_nowait(RequestOutput(seq.request_id, new_tokens, "".join(text), True, finish, seq.stats,
+                                             logprobs))
         self._finish(seq, finish)
 
     def _count_round(self, stats: SequenceStats, k: int, num_accepted: int) -> None:

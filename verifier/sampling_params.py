@@ -7,6 +7,10 @@ import math
 
 from verifier.errors import InvalidRequestError
 
+#: The most alternatives a request may ask for per token (`SamplingParams.logprobs`), as
+#: vLLM's default `max_logprobs` and OpenAI's chat `top_logprobs` limit.
+MAX_LOGPROBS = 20
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -16,6 +20,12 @@ class SamplingParams:
     filters. `seed` makes sampling reproducible for this request alone. `stop` strings end
     the output before the stop string (it is not included); EOS ends it unless
     `ignore_eos`.
+
+    `logprobs` None returns no log probabilities; N >= 0 returns, with every output token,
+    its log probability and the N most likely tokens' at that position (`TokenLogprob`).
+    They are the target's own, from its raw logits (before temperature, top-k and top-p,
+    as vLLM's default `raw_logprobs`), whether the token was drafted and accepted or
+    decoded.
     """
 
     max_tokens: int = 16
@@ -25,6 +35,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +57,9 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")

@@ -67,6 +67,16 @@ class SequenceStats:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log probability under the target, and the most likely tokens'
+    at its position (`SamplingParams.logprobs` of them, most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """One streamed event: the tokens and text a round added for one request."""
@@ -77,6 +87,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     stats: SequenceStats | None = None  # set on the final event
+    #: One per token of `token_ids` when the request asked for them (`SamplingParams.logprobs`).
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass

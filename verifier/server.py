@@ -11,6 +11,10 @@ Events, in order:
       only as the first and only event: nothing was generated;
   {"event": "delta", "token_ids": [...], "text": "..."}     zero or more;
   {"event": "final", "token_ids", "text", "finish_reason", "usage", "speculation"}.
+When the request asks for log probabilities (`GenerateInput.logprobs`), deltas and the
+final event also carry "logprobs": one entry per token of "token_ids",
+  {"token_id", "token", "bytes", "logprob", "top_logprobs": [{"token_id", "token", "bytes", "logprob"}]}
+("token": the token's text, `Tokenizer.token_text`; "bytes": its bytes as ints).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, AsyncIterator
 from verifier.engine import Engine
 from verifier.errors import InvalidRequestError, OverloadedError
 from verifier.sampling_params import SamplingParams
+from verifier.sequence import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,9 @@ class GenerateInput:
     speculation_mode: str = "auto"
     speculation_method: str | None = None
     speculation_max_k: int | None = None
+    #: None: no log probabilities; N: each output token's and the N most likely tokens'
+    #: (`SamplingParams.logprobs`).
+    logprobs: int | None = None
     #: W3C Trace Context of the caller's span ({"traceparent": ...}): the request's spans
     #: continue that trace (`protos.trace_context`). Empty = the current context.
     trace_context: tuple[tuple[str, str], ...] = ()
@@ -91,8 +99,19 @@ class VerifierServer:
             max_tokens = max(self.engine.config.max_model_len - num_prompt_tokens, 1)
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
+            seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
         ).validate()
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+        tok = self.engine.tokenizer
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            # -9999 stands for -inf, which JSON cannot carry (as vLLM does).
+            return {"token_id": token_id, "token": tok.token_text(token_id),
+                    "bytes": list(tok.token_bytes(token_id)), "logprob": max(logprob, -9999.0)}
+
+        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in logprobs]
 
     async def generate(self, req: GenerateInput) -> AsyncIterator[dict[str, Any]]:
         """Stream events for one request (see the module docstring)."""
@@ -107,8 +126,9 @@ class VerifierServer:
                                           trace_context=dict(req.trace_context))
             async with contextlib.aclosing(stream):
                 async for out in stream:
+                    logprobs = {} if out.logprobs is None else {"logprobs": self._logprobs(out.logprobs)}
                     if not out.finished:
-                        yield {"event": "delta", "token_ids": out.token_ids, "text": out.text}
+                        yield {"event": "delta", "token_ids": out.token_ids, "text": out.text, **logprobs}
                         continue
                     stats = out.stats
                     yield {
@@ -122,6 +142,7 @@ class VerifierServer:
                             "total_tokens": len(prompt_ids) + stats.num_output_tokens,
                         },
                         "speculation": {"mode": req.speculation_mode, **stats.as_dict()},
+                        **logprobs,
                     }
                     return
         except InvalidRequestError as exc:

@@ -19,7 +19,7 @@ def splitspec(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def ngram_json():
     proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40", "--speculation", "ngram",
-                     "--k", "4", "--json")
+                     "--k", "4", "--logprobs", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -36,6 +36,12 @@ def test_generate_json_shape_and_stats(ngram_json, tokenizer):
     assert stats["accepted"] > 0, "the answer quotes the prompt, so n-gram drafts must be accepted"
     assert stats["mean_acceptance_length"] > 1.0
     assert stats["tokens_per_second"] > 0
+    # --logprobs 2: per token its own and the 2 most likely tokens', the chosen one first (greedy).
+    assert [e["token_id"] for e in out["logprobs"]] == out["token_ids"]
+    for e in out["logprobs"]:
+        assert e["token"] == tokenizer.token_text(e["token_id"]) and e["logprob"] <= 0
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token_id"] == e["token_id"]
+        assert e["top_logprobs"][0]["logprob"] == e["logprob"] >= e["top_logprobs"][1]["logprob"]
 
 
 def test_generate_speculation_off_gives_the_same_tokens(ngram_json):
@@ -124,6 +130,8 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--speculation", "eagle", "--fallback", "ngram", "--tree", "2,1"], "tree"),  # n-gram's
         (["--prompt", "hi", "--tensor-parallel-size", "0"], "tensor_parallel_size"),
         (["--prompt", "hi", "--tensor-parallel-size", "4"], "tensor_parallel_size"),  # 3 key/value heads
+        (["--prompt", "hi", "--json", "--logprobs", "21"], "logprobs"),
+        (["--prompt", "hi", "--logprobs", "1"], "logprobs"),  # printed with --json only
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field):

@@ -224,6 +224,92 @@ def test_grpc_prompt_token_ids(main_app, greedy):
     assert [t for m in messages for t in m.token_ids] == greedy([prompt], 12)[0]
 
 
+# ---------------------------------------------------------------------- log probabilities
+@pytest.fixture(scope="module")
+def with_logprobs(model, tokenizer, edit_conversations):
+    """The local engine's greedy outputs with 3 alternatives a token, speculation off, for
+    the edit conversations rendered by the chat template: (prompt ids, GenerationResult)."""
+    from verifier.controller import Controller
+    from verifier.engine import Engine, EngineConfig
+    from verifier.sampling_params import SamplingParams
+
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in edit_conversations]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=1024), None, Controller.off())
+    return list(zip(prompts, engine.generate_sync(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                           logprobs=3))))
+
+
+def _check_logprobs(tokenizer, want, ids, tokens, logprobs, tops) -> None:
+    """Served logprobs against the local engine's: per token its text, its logprob and
+    the alternatives' (text -> logprob), the chosen token most likely (greedy)."""
+    assert ids == want.token_ids
+    assert tokens == [tokenizer.token_text(t) for t in ids]
+    assert logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    for top, lp in zip(tops, want.logprobs):
+        assert top == pytest.approx({tokenizer.token_text(t): v for t, v in lp.top}, abs=1e-4)
+        assert max(top, key=top.get) == tokenizer.token_text(lp.token_id)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_logprobs_are_the_targets_own(main_app, tokenizer, edit_conversations, with_logprobs, stream):
+    client = _client(main_app)
+    for conversation, (_, want) in zip(edit_conversations, with_logprobs):
+        r = client.chat.completions.create(
+            model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=3,
+            stream=stream, extra_body={"speculation": {"mode": "on"}, "return_token_ids": True})
+        if stream:
+            chunks = list(r)
+            content = [c for chunk in chunks for choice in chunk.choices if choice.logprobs
+                       for c in choice.logprobs.content]
+            ids = [t for chunk in chunks for choice in chunk.choices for t in choice.model_extra.get("token_ids") or []]
+            text = "".join(choice.delta.content or "" for chunk in chunks for choice in chunk.choices)
+            spec = chunks[-1].model_extra["speculation"]
+        else:
+            content, ids = r.choices[0].logprobs.content, r.choices[0].model_extra["token_ids"]
+            text, spec = r.choices[0].message.content, r.model_extra["speculation"]
+        assert spec["accepted"] > 0  # drafted tokens among them
+        assert all(len(c.top_logprobs) == 3 for c in content)
+        _check_logprobs(tokenizer, want, ids, [c.token for c in content], [c.logprob for c in content],
+                        [{t.token: t.logprob for t in c.top_logprobs} for c in content])
+        # The bytes are exact: the answer's text is theirs, EOS aside.
+        pieces = [bytes(c.bytes) for c, t in zip(content, ids) if t not in tokenizer.eos_token_ids]
+        assert b"".join(pieces).decode() == text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_logprobs_are_the_targets_own(main_app, tokenizer, edit_conversations, with_logprobs, stream):
+    client = _client(main_app)
+    for conversation, (_, want) in zip(edit_conversations, with_logprobs):
+        r = client.completions.create(
+            model=MODEL, prompt=tokenizer.apply_chat_template(conversation), max_tokens=MAX_TOKENS, temperature=0,
+            logprobs=3, stream=stream, extra_body={"speculation": {"mode": "on"}, "return_token_ids": True})
+        choices = [choice for chunk in r for choice in chunk.choices] if stream else r.choices
+        parts = [c.logprobs for c in choices if c.logprobs is not None]
+        tokens = [t for p in parts for t in p.tokens]
+        offsets = [o for p in parts for o in p.text_offset]
+        ids = [t for c in choices for t in c.model_extra.get("token_ids") or []]
+        # top_logprobs holds the chosen token beside the 3 alternatives (here among them).
+        _check_logprobs(tokenizer, want, ids, tokens, [v for p in parts for v in p.token_logprobs],
+                        [top for p in parts for top in p.top_logprobs])
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_grpc_logprobs_are_the_targets_own(main_app, tokenizer, edit_conversations, with_logprobs):
+    for conversation, (_, want) in zip(edit_conversations, with_logprobs):
+        messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+            model=MODEL, messages=generate_pb2.ChatMessages(messages=[
+                generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in conversation]),
+            max_tokens=MAX_TOKENS, temperature=0.0, logprobs=3, speculation=generate_pb2.Speculation(mode="on")))
+        assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
+        entries = [e for m in messages for e in m.logprobs]
+        assert [e.bytes for e in entries] == [tokenizer.token_bytes(e.token_id) for e in entries]
+        _check_logprobs(tokenizer, want, [e.token_id for e in entries], [e.token for e in entries],
+                        [e.logprob for e in entries], [{t.token: t.logprob for t in e.top_logprobs} for e in entries])
+    # Not asked: none.
+    plain = _grpc_generate(main_app, generate_pb2.GenerateRequest(prompt="Hi", max_tokens=4, temperature=0.0))
+    assert all(not m.logprobs for m in plain)
+
+
 # ---------------------------------------------------------------------- concurrency
 def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     from cluster.workloads import load_conversations
@@ -257,6 +343,8 @@ def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     ({"extra_body": {"speculation": {"mode": "sometimes"}}}, "speculation.mode"),
     ({"extra_body": {"speculation": {"method": "eagle"}}}, "speculation.method"),
     ({"max_tokens": 1000, "prompt": "word " * 100}, "max_tokens"),  # prompt + max_tokens > 1024
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
 ])
 def test_bad_input_is_400_naming_the_field(main_app, kwargs, param):
     client = _client(main_app, max_retries=0)
@@ -273,6 +361,12 @@ def test_bad_chat_input_and_bad_json(main_app):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user"}], max_tokens=4)
     assert info.value.body["param"] == "messages.0.content"
+    for kwargs in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                           **kwargs)
+        assert info.value.body["param"] == "top_logprobs", kwargs
+        assert info.value.body["message"].startswith("top_logprobs"), kwargs
     r = httpx.post(f"{main_app.base_url}/completions", content=b"{not json", timeout=10,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
@@ -287,6 +381,10 @@ def test_grpc_bad_input_is_invalid_argument(main_app):
         _grpc_generate(main_app, generate_pb2.GenerateRequest(model="other", prompt="Hi"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("model")
+    with pytest.raises(grpc.RpcError) as info:
+        _grpc_generate(main_app, generate_pb2.GenerateRequest(prompt="Hi", logprobs=21))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("logprobs")
 
 
 # ---------------------------------------------------------------------- overload, disconnect

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -125,6 +126,7 @@ class Tokenizer:
         self._chat_template = chat_template
         self._vocab_type = vocab_type
         self._compiled_template = _compile_chat_template(chat_template) if chat_template else None
+        self._token_bytes: dict[int, bytes] = {}
 
     # --- construction -------------------------------------------------------------------
 
@@ -283,6 +285,33 @@ class Tokenizer:
         tokens) become U+FFFD."""
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own: a byte-level BPE piece mapped back
+        from GPT-2's byte alphabet (part of a UTF-8 character, perhaps), a SentencePiece
+        piece with its spaces and `<0xNN>` bytes, an added token's own text."""
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            raise InvalidRequestError("token_id", f"{token_id} is outside the vocabulary [0, {self._vocab_size})")
+        added = token_id in self._backend.get_added_tokens_decoder()
+        if added:
+            out = piece.encode()
+        elif all(c in _BYTE_OF_CHAR for c in piece) and self._vocab_type == "gpt2":
+            out = bytes(_BYTE_OF_CHAR[c] for c in piece)
+        elif (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:
+            out = bytes([int(m.group(1), 16)])
+        else:
+            out = piece.replace("\u2581", " ").encode()
+        self._token_bytes[token_id] = out
+        return out
+
+    def token_text(self, token_id: int) -> str:
+        """`token_bytes` as text, as OpenAI shows a token: bytes that are not whole UTF-8
+        characters are written as `\\xNN` escapes (the `bytes` field keeps them exact)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render `messages` with the model's chat template, as transformers does (sandboxed
         jinja2, `trim_blocks`/`lstrip_blocks`, `bos_token`/`eos_token`, `raise_exception`).
@@ -308,6 +337,24 @@ class Tokenizer:
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: every byte as a printable character (`ByteLevel`'s table)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+#: The byte each character of GPT-2's byte alphabet stands for.
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
