@@ -100,6 +100,9 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop or ()),
         logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     ).validate()
     if args.logprobs is not None and not args.json:
         raise InvalidRequestError("logprobs", "are printed with --json only")
@@ -347,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's and HF's, > 0 (default 1: off)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each output token's log probability and the N most likely tokens' (0-20)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")

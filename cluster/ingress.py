@@ -73,6 +73,7 @@ class _Common(_Body):
     ignore_eos: bool = False  # vLLM extension
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extension
     speculation: SpeculationRequest | None = None
     return_token_ids: bool = False  # vLLM extension: output token ids in each choice
 
@@ -137,9 +138,6 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
 def _common_input(body: _Common, request_id: str, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
     if body.n != 1:
         raise ApiError(400, "n: only n = 1 is supported", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise ApiError(400, f"{name}: not supported (must be 0)", name)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", "stream_options")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -148,7 +146,8 @@ def _common_input(body: _Common, request_id: str, max_tokens: int | None, logpro
         request_id=request_id, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
         speculation_mode=spec.mode, speculation_method=spec.method, speculation_max_k=spec.max_k,
-        logprobs=logprobs,
+        logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
     )
 
 
@@ -488,7 +487,8 @@ class Ingress:
             speculation_mode=spec.mode or "auto", speculation_method=spec.method or None,
         )
         fields.update({name: getattr(r, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
-                                                            "logprobs") if r.HasField(name)})
+                                                            "logprobs", "presence_penalty", "frequency_penalty",
+                                                            "repetition_penalty") if r.HasField(name)})
         if spec.HasField("max_k"):
             fields["speculation_max_k"] = spec.max_k
         if which == "prompt":

@@ -44,6 +44,7 @@ from verifier.models.threads import cpu_worker, release_openmp_threads, run_on_c
 from verifier.controller import Controller, SequenceView, StepTimeModel, fallback_problem
 from verifier.observer import EngineObserver
 from verifier.rejection_sampler import greedy_accept, rejection_sample
+from verifier.penalties import PenaltyState, penalize_rows, row_paths
 from verifier.sampling import logits_to_probs, token_logprobs
 from verifier.sampling_params import SamplingParams
 from verifier.sequence import FinishReason, RequestOutput, Sequence, SequenceStats, TokenLogprob
@@ -497,6 +498,7 @@ class Engine:
             method=method,
             detokenizer=detok,
             outputs=asyncio.Queue(),
+            penalties=PenaltyState(prompt) if params.penalized else None,
         )
 
     def _wake(self) -> None:
@@ -869,7 +871,19 @@ class Engine:
                                  torch.tensor(index, dtype=torch.int64), hidden_index=hidden_index, trees=trees,
                                  hidden_layers=self._hidden_layers)
         logits, hidden = out if hidden_index is not None else (out, None)  # logits: [R, V] float32
-        argmax = logits.argmax(dim=-1).tolist()
+        # What acceptance reads: the logits, each row penalised on its own context where a
+        # request asks (logprobs stay the raw logits').
+        decide = logits
+        if any(w.seq.penalties is not None for w in works):
+            decide = logits.clone()
+            row = 0
+            for w in works:
+                k = w.draft_token_ids.size
+                if w.seq.penalties is not None:
+                    penalize_rows(decide[row : row + k + 1], w.seq.params, w.seq.penalties,
+                                  row_paths(w.draft_token_ids, w.draft_parents))
+                row += k + 1
+        argmax = decide.argmax(dim=-1).tolist()
         row = first = 0
         for w in works:
             k = w.draft_token_ids.size
@@ -879,14 +893,14 @@ class Engine:
                     accepted, emitted = greedy_accept_tree(argmax[row : row + k + 1], w.draft_token_ids,
                                                            w.draft_parents)
                 else:
-                    probs = logits_to_probs(logits[row : row + k + 1], p.temperature, p.top_k, p.top_p)
+                    probs = logits_to_probs(decide[row : row + k + 1], p.temperature, p.top_k, p.top_p)
                     accepted, emitted = sample_accept_tree(probs, w.draft_token_ids, w.draft_parents.tolist(),
                                                            w.seq.generator)
             else:
                 if p.greedy:
                     num_accepted, emitted = greedy_accept(argmax[row : row + k + 1], w.draft_token_ids)
                 else:
-                    probs = logits_to_probs(logits[row : row + k + 1], p.temperature, p.top_k, p.top_p)
+                    probs = logits_to_probs(decide[row : row + k + 1], p.temperature, p.top_k, p.top_p)
                     q = None if w.draft_probs is None else torch.from_numpy(w.draft_probs)
                     num_accepted, emitted = rejection_sample(probs, w.draft_token_ids, q, w.seq.generator)
                 accepted = list(range(num_accepted))
@@ -935,6 +949,8 @@ class Engine:
         for token in work.emitted:
             seq.output_token_ids.append(token)
             new_tokens.append(token)
+            if seq.penalties is not None:
+                seq.penalties.add((token,))
             if token in self._eos_ids and not seq.params.ignore_eos:
                 finish = FinishReason.STOP
                 break

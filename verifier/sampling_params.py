@@ -26,6 +26,11 @@ class SamplingParams:
     They are the target's own, from its raw logits (before temperature, top-k and top-p,
     as vLLM's default `raw_logprobs`), whether the token was drafted and accepted or
     decoded.
+
+    `presence_penalty` and `frequency_penalty` (OpenAI's, in [-2, 2]) lower the logit of
+    every token the output already holds, by a constant and by its count;
+    `repetition_penalty` (vLLM's and HF's, > 0; 1 is off) scales the logits of every token
+    of the prompt or the output (`verifier.penalties`).
     """
 
     max_tokens: int = 16
@@ -36,10 +41,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def validate(self) -> "SamplingParams":
         """Raise `InvalidRequestError` naming the first bad field; return self."""
@@ -60,6 +72,13 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(name, f"must be a number in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
+            raise InvalidRequestError("repetition_penalty", f"must be a finite number > 0, got {r!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")

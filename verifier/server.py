@@ -55,6 +55,9 @@ class GenerateInput:
     #: None: no log probabilities; N: each output token's and the N most likely tokens'
     #: (`SamplingParams.logprobs`).
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     #: W3C Trace Context of the caller's span ({"traceparent": ...}): the request's spans
     #: continue that trace (`protos.trace_context`). Empty = the current context.
     trace_context: tuple[tuple[str, str], ...] = ()
@@ -100,6 +103,8 @@ class VerifierServer:
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
         ).validate()
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:

@@ -132,6 +132,8 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--tensor-parallel-size", "4"], "tensor_parallel_size"),  # 3 key/value heads
         (["--prompt", "hi", "--json", "--logprobs", "21"], "logprobs"),
         (["--prompt", "hi", "--logprobs", "1"], "logprobs"),  # printed with --json only
+        (["--prompt", "hi", "--presence-penalty", "3"], "presence_penalty"),
+        (["--prompt", "hi", "--repetition-penalty", "0"], "repetition_penalty"),
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field):

@@ -310,6 +310,44 @@ def test_grpc_logprobs_are_the_targets_own(main_app, tokenizer, edit_conversatio
     assert all(not m.logprobs for m in plain)
 
 
+def test_penalties_are_honoured_exactly_over_http_and_grpc(main_app, model, tokenizer, edit_conversations):
+    """OpenAI's presence and frequency penalties and vLLM's repetition penalty, with
+    speculation on: the local engine's plain decoding with the same penalties (which
+    tests/verifier/test_penalties.py checks against HF transformers)."""
+    from verifier.controller import Controller
+    from verifier.engine import Engine, EngineConfig
+    from verifier.sampling_params import SamplingParams
+
+    # Mild enough that the answers still quote their prompts (n-gram drafts are accepted).
+    penalties = {"presence_penalty": 0.3, "frequency_penalty": 0.3, "repetition_penalty": 1.05}
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in edit_conversations]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=1024), None, Controller.off())
+    want = [r.token_ids for r in engine.generate_sync(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                               **penalties))]
+    client = _client(main_app)
+    for conversation, expected in zip(edit_conversations, want):
+        r = client.chat.completions.create(
+            model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
+            presence_penalty=penalties["presence_penalty"], frequency_penalty=penalties["frequency_penalty"],
+            extra_body={"repetition_penalty": penalties["repetition_penalty"], "speculation": {"mode": "on"},
+                        "return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == expected
+        assert r.model_extra["speculation"]["accepted"] > 0
+        messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+            model=MODEL, messages=generate_pb2.ChatMessages(messages=[
+                generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in conversation]),
+            max_tokens=MAX_TOKENS, temperature=0.0, speculation=generate_pb2.Speculation(mode="on"), **penalties))
+        assert [t for m in messages for t in m.token_ids] == expected
+    # Without them the outputs differ: the penalties were applied.
+    assert greedy_ids(main_app, edit_conversations[0]) != want[0]
+
+
+def greedy_ids(app, conversation) -> list[int]:
+    r = _client(app).chat.completions.create(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
+                                             extra_body={"return_token_ids": True})
+    return r.choices[0].model_extra["token_ids"]
+
+
 # ---------------------------------------------------------------------- concurrency
 def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     from cluster.workloads import load_conversations
@@ -344,6 +382,9 @@ def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     ({"extra_body": {"speculation": {"method": "eagle"}}}, "speculation.method"),
     ({"max_tokens": 1000, "prompt": "word " * 100}, "max_tokens"),  # prompt + max_tokens > 1024
     ({"logprobs": 21}, "logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"logprobs": -1}, "logprobs"),
 ])
 def test_bad_input_is_400_naming_the_field(main_app, kwargs, param):

@@ -1,0 +1,125 @@
+"""Penalties (`verifier.penalties`) stay exact under speculation: each verified row is
+penalised on its own context (the output plus the drafts on its path).
+
+References: hand computation; HF transformers' `generate` with its own
+`repetition_penalty`; and, for OpenAI's presence and frequency penalties, which HF does
+not have, a decoding loop written here over HF's forward (its logits, the penalty formula
+from OpenAI's API reference, argmax).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from proposers.ngram import NgramProposer
+from tests.verifier.test_engine import _OracleTreeProposer
+from verifier.controller import Controller
+from verifier.engine import Engine, EngineConfig
+from verifier.errors import InvalidRequestError
+from verifier.penalties import PenaltyState, penalize_rows, row_paths
+from verifier.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CONFIG = EngineConfig(max_num_seqs=4, max_model_len=512)
+MAX_TOKENS = 24
+PRESENCE, FREQUENCY = 1.0, 1.5
+
+
+def test_penalties_by_hand():
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    state = PenaltyState([0, 0])
+    state.add([2, 3, 2])  # counts {2: 2, 3: 1}
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]] * 2)
+    penalize_rows(logits, params, state, [[], [1]])
+    # Token 0 (prompt only): 2 / 2. Token 1: untouched in row 0; in row 1 (drafted once
+    # before it): -1 * 2 - 0.5 - 0.25. Token 2: 0.5 / 2 - 0.5 * 2 - 0.25. Token 3: 3 / 2 - 0.5 - 0.25.
+    assert logits.tolist() == [[1.0, -1.0, -1.0, 0.75], [1.0, -2.75, -1.0, 0.75]]
+    assert state.counts == {2: 2, 3: 1}  # the paths are not added to the output's counts
+
+
+def test_row_paths_by_hand():
+    assert row_paths(np.array([7, 8, 9], np.int32), None) == [[], [7], [7, 8], [7, 8, 9]]
+    # Root children 5 and 6; 6's children 7 and 8; 8's child 9.
+    tree = row_paths(np.array([5, 6, 7, 8, 9], np.int32), np.array([-1, -1, 1, 1, 3], np.int32))
+    assert tree == [[], [5], [6], [6, 7], [6, 8], [6, 8, 9]]
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+                                          ("repetition_penalty", 0.0), ("repetition_penalty", float("inf"))])
+def test_bad_penalties_are_refused_naming_the_field(field, value):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{field: value}).validate()
+    assert info.value.param == field
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    from cluster.workloads import load_prompts
+
+    return load_prompts("code_edit", tokenizer)[:2] + load_prompts("chat", tokenizer)[:2]
+
+
+def _reference_presence_frequency(hf_model, tokenizer, prompt: list[int], presence: float, frequency: float):
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(MAX_TOKENS):
+            logits = hf_model(torch.tensor([prompt + out])).logits[0, -1].float()
+            for token in set(out):
+                logits[token] -= frequency * out.count(token) + presence
+            token = int(logits.argmax())
+            out.append(token)
+            if token in tokenizer.eos_token_ids:
+                break
+    return out
+
+
+def _speculative_runs(model, tokenizer, prompts, params: SamplingParams, plain: list[list[int]]):
+    """The outputs of n-gram chains (k = 4) and of oracle token trees whose accepted path
+    leaves the first-child chain, both drafting for `params`."""
+    engine = Engine(model, tokenizer, CONFIG, NgramProposer(), Controller.static(4))
+    chains = engine.generate_sync(prompts, params)
+    assert engine.stats.num_accepted > 0
+    oracle = _OracleTreeProposer({tuple(p): o for p, o in zip(prompts, plain)}, model.config.vocab_size)
+    trees = Engine(model, tokenizer, CONFIG, {"oracle": oracle}, Controller.static(3, ("oracle",))).generate_sync(
+        prompts, params)
+    assert all(r.stats.accepted == 3 * r.stats.rounds_with_drafts > 0 for r in trees)
+    return [r.token_ids for r in chains], [r.token_ids for r in trees]
+
+
+def test_repetition_penalty_is_exact_under_speculation(model, tokenizer, hf_model, prompts):
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.3)
+    plain = [r.token_ids for r in Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(prompts, greedy)]
+    eos = sorted(tokenizer.eos_token_ids)
+    with torch.inference_mode():
+        for prompt, ours in zip(prompts, plain):
+            ids = torch.tensor([prompt])
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                    do_sample=False, repetition_penalty=1.3, eos_token_id=eos, pad_token_id=eos[0])
+            assert ours == ref[0, len(prompt):].tolist()
+    unpenalized = Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [r.token_ids for r in unpenalized] != plain  # the penalty matters here
+    chains, trees = _speculative_runs(model, tokenizer, prompts, greedy, plain)
+    assert chains == plain and trees == plain
+
+
+def test_presence_and_frequency_penalties_are_exact_under_speculation(model, tokenizer, hf_model, prompts):
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, presence_penalty=PRESENCE,
+                            frequency_penalty=FREQUENCY)
+    plain = [r.token_ids for r in Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(prompts, greedy)]
+    for prompt, ours in zip(prompts, plain):
+        assert ours == _reference_presence_frequency(hf_model, tokenizer, prompt, PRESENCE, FREQUENCY)
+    unpenalized = Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [r.token_ids for r in unpenalized] != plain
+    chains, trees = _speculative_runs(model, tokenizer, prompts, greedy, plain)
+    assert chains == plain and trees == plain
+    # Sampling reads the penalised rows too: with top_k = 1 each row's distribution is
+    # one-hot on its penalised argmax, so sampled speculation gives the greedy output.
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_k=1, seed=3, presence_penalty=PRESENCE,
+                             frequency_penalty=FREQUENCY)
+    chains, trees = _speculative_runs(model, tokenizer, prompts, sampled, plain)
+    assert chains == plain and trees == plain

@@ -1,0 +1,75 @@
+"""Repetition, frequency and presence penalties, applied to each verified row on its own
+context.
+
+The penalties change the target's logits z at a position from what came before it, as
+vLLM applies them (and, for the first, HF transformers' `repetition_penalty`):
+
+    repetition r:  z_j / r if z_j > 0 else z_j * r,  for every token j of the prompt or output
+    frequency f:   z_j - f * c_j,                     c_j: times j occurs in the output
+    presence  s:   z_j - s * [c_j > 0]
+
+(in that order; then temperature, top-k and top-p as `verifier.sampling` does). A verified
+row's context is the output so far plus the drafts on its path: row 0 follows the last
+committed token, row i of a chain follows the drafts d_0..d_{i-1}, and the row after a
+token tree's node follows the drafts from the root down to it. Penalising every row with
+its own counts is what makes speculation exact under penalties: the row that decides a
+token sees the counts a plain decode step would at that position.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from verifier.sampling_params import SamplingParams
+
+
+class PenaltyState:
+    """What one sequence's penalties read: its output's token counts and, for the
+    repetition penalty, the set of its prompt's tokens."""
+
+    def __init__(self, prompt_token_ids: Iterable[int]) -> None:
+        self.prompt_tokens = frozenset(prompt_token_ids)
+        self.counts: collections.Counter[int] = collections.Counter()
+
+    def add(self, token_ids: Iterable[int]) -> None:
+        self.counts.update(token_ids)
+
+
+def penalize_rows(logits: torch.Tensor, params: SamplingParams, state: PenaltyState,
+                  paths: Sequence[Sequence[int]]) -> None:
+    """Penalise `logits` (float32 [n, V]) in place, row i as if the output went on with
+    `paths[i]` (the drafts between the committed output and that row)."""
+    assert logits.shape[0] == len(paths), f"{logits.shape=} {len(paths)=}"
+    r, f, s = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    for i, path in enumerate(paths):
+        counts = state.counts + collections.Counter(path) if path else state.counts
+        row = logits[i]
+        if r != 1.0:
+            seen = torch.tensor(sorted(state.prompt_tokens | counts.keys()), dtype=torch.int64)
+            z = row[seen]
+            row[seen] = torch.where(z > 0, z / r, z * r)
+        if (f or s) and counts:
+            ids = torch.tensor(list(counts.keys()), dtype=torch.int64)
+            c = torch.tensor(list(counts.values()), dtype=torch.float32)
+            row[ids] -= f * c + s
+
+
+def row_paths(drafts: np.ndarray, parents: np.ndarray | None) -> list[list[int]]:
+    """The drafts before each verified row: none before row 0; d_0..d_{i-1} before row i
+    of a chain; before a token tree node's row, the drafts from the root down to that node
+    (`parents`: each draft's parent index, -1 for the root's children, parents first).
+
+    >>> row_paths(np.array([5, 6, 7]), np.array([-1, -1, 1]))
+    [[], [5], [6], [6, 7]]
+    """
+    tokens = drafts.tolist()
+    if parents is None:
+        return [tokens[:i] for i in range(len(tokens) + 1)]
+    paths: list[list[int]] = []
+    for token, parent in zip(tokens, parents.tolist()):
+        paths.append((paths[parent] if parent >= 0 else []) + [token])
+    return [[], *paths]
