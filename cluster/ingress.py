@@ -136,8 +136,6 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
 
 
 def _common_input(body: _Common, request_id: str, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
-    if body.n != 1:
-        raise ApiError(400, "n: only n = 1 is supported", "n")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", "stream_options")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -147,7 +145,7 @@ def _common_input(body: _Common, request_id: str, max_tokens: int | None, logpro
         top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
         speculation_mode=spec.mode, speculation_method=spec.method, speculation_max_k=spec.max_k,
         logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=body.repetition_penalty, n=body.n,
     )
 
 
@@ -171,6 +169,53 @@ def _completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str
 def _pb_logprob(e: dict[str, Any]) -> generate_pb2.TokenLogprob:
     return generate_pb2.TokenLogprob(token_id=e["token_id"], token=e["token"], bytes=bytes(e["bytes"]),
                                      logprob=e["logprob"], top_logprobs=[_pb_logprob(t) for t in e.get("top_logprobs", ())])
+
+
+class _Output:
+    """One output of a whole (not streamed) response, gathered from its events."""
+
+    def __init__(self, logprobs: bool) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
+        self.final: dict[str, Any] | None = None
+
+    def add(self, event: dict[str, Any]) -> None:
+        self.text.append(event.get("text", ""))
+        self.token_ids.extend(event.get("token_ids", []))
+        if self.logprobs is not None:
+            self.logprobs.extend(event.get("logprobs", []))
+        if event["event"] == "final":
+            self.final = event
+
+
+def _usage(finals: list[dict[str, Any]]) -> dict[str, int]:
+    """A request's usage from its outputs' final events: the prompt once, every output."""
+    prompt = finals[0]["usage"]["prompt_tokens"]
+    completion = sum(f["usage"]["completion_tokens"] for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _speculation(finals: list[dict[str, Any]]) -> dict[str, Any]:
+    """A request's speculation stats from its outputs': one output's as they are; for
+    several, the counts summed (tokens_per_second too: the outputs run side by side) and
+    the rates worked out again from the sums."""
+    if len(finals) == 1:
+        return finals[0]["speculation"]
+    specs = [f["speculation"] for f in finals]
+    out: dict[str, Any] = {"mode": specs[0]["mode"]}
+    for key in ("rounds", "rounds_with_drafts", "drafted", "accepted", "num_output_tokens"):
+        out[key] = sum(s[key] for s in specs)
+    out["tokens_per_second"] = round(sum(s["tokens_per_second"] for s in specs), 2)
+    out["acceptance_rate"] = round(out["accepted"] / out["drafted"], 4) if out["drafted"] else 0.0
+    out["mean_acceptance_length"] = (round(1 + out["accepted"] / out["rounds_with_drafts"], 4)
+                                     if out["rounds_with_drafts"] else 1.0)
+    for key in ("rounds_by_method", "rounds_off"):
+        out[key] = {}
+        for s in specs:
+            for name, count in s[key].items():
+                out[key][name] = out[key].get(name, 0) + count
+    return out
 
 
 def _chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -264,69 +309,76 @@ class Ingress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _ending(span, self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids)),
+                _ending(span, self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids, inp.n)),
                 media_type="text/event-stream")
+        outputs: dict[int, _Output] = {}
         try:
-            text, token_ids, final = [first.get("text", "")], list(first.get("token_ids", [])), first
-            logprobs = None if inp.logprobs is None else list(first.get("logprobs", []))
-            async for event in stream:
-                text.append(event.get("text", ""))
-                token_ids.extend(event.get("token_ids", []))
-                if logprobs is not None:
-                    logprobs.extend(event.get("logprobs", []))
-                final = event
+            event = first
+            while True:
+                out = outputs.setdefault(event.get("index", 0), _Output(inp.logprobs is not None))
+                out.add(event)
+                if sum(o.final is not None for o in outputs.values()) == inp.n:
+                    break
+                event = await stream.__anext__()
         finally:
             span.end()
-        out = self._full_response(rid, "".join(text), final, chat, logprobs)
-        if body.return_token_ids:
-            out["choices"][0]["token_ids"] = token_ids
-        return JSONResponse(out)
+        return JSONResponse(self._full_response(rid, [outputs[i] for i in sorted(outputs)], chat,
+                                                body.return_token_ids))
 
-    def _full_response(self, rid: str, text: str, final: dict[str, Any], chat: bool,
-                       logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None if logprobs is None else _chat_logprobs(logprobs),
-                      "finish_reason": final["finish_reason"]}
-        else:
-            choice = {"index": 0, "text": text,
-                      "logprobs": None if logprobs is None else _completion_logprobs(logprobs, 0),
-                      "finish_reason": final["finish_reason"]}
+    def _full_response(self, rid: str, outputs: list["_Output"], chat: bool, token_ids: bool) -> dict[str, Any]:
+        choices = []
+        for i, out in enumerate(outputs):
+            text = "".join(out.text)
+            if chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": text},
+                          "logprobs": None if out.logprobs is None else _chat_logprobs(out.logprobs)}
+            else:
+                choice = {"index": i, "text": text,
+                          "logprobs": None if out.logprobs is None else _completion_logprobs(out.logprobs, 0)}
+            choice["finish_reason"] = out.final["finish_reason"]
+            if token_ids:
+                choice["token_ids"] = out.token_ids
+            if len(outputs) > 1:  # each output's own; the response's sums them
+                choice["speculation"] = out.final["speculation"]
+            choices.append(choice)
+        finals = [o.final for o in outputs]
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": [choice], "usage": final["usage"],
-            "speculation": final["speculation"],
+            "model": self.model_name, "choices": choices, "usage": _usage(finals),
+            "speculation": _speculation(finals),
         }
 
     async def _sse_stream(self, rid: str, first: dict[str, Any], stream, chat: bool,
-                          include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
+                          include_usage: bool, token_ids: bool, n: int) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        text_offset = 0  # the completions API's: characters of tokens streamed so far
+        text_offset = [0] * n  # the completions API's, per output: characters of tokens streamed so far
 
-        def chunk(text: str | None, finish: str | None, role: bool = False,
+        def chunk(i: int, text: str | None, finish: str | None, role: bool = False,
                   logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-            nonlocal text_offset
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta,
+                choice = {"index": i, "delta": delta,
                           "logprobs": None if logprobs is None else _chat_logprobs(logprobs), "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
                 if logprobs is not None:
-                    choice["logprobs"] = _completion_logprobs(logprobs, text_offset)
-                    text_offset += sum(len(e["token"]) for e in logprobs)
+                    choice["logprobs"] = _completion_logprobs(logprobs, text_offset[i])
+                    text_offset[i] += sum(len(e["token"]) for e in logprobs)
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
 
-        if chat:  # OpenAI opens a chat stream with the role
-            yield _sse(chunk("", None, role=True))
+        if chat:  # OpenAI opens a chat stream with the role, for each output
+            for i in range(n):
+                yield _sse(chunk(i, "", None, role=True))
         event = first
+        finals = []
         while True:
             final = event["event"] == "final"
+            i = event.get("index", 0)
             if event.get("text") or event.get("token_ids") or final:
-                data = chunk(event.get("text", ""), event["finish_reason"] if final else None,
+                data = chunk(i, event.get("text", ""), event["finish_reason"] if final else None,
                              logprobs=event.get("logprobs"))
                 if token_ids:
                     data["choices"][0]["token_ids"] = event.get("token_ids", [])
@@ -334,10 +386,12 @@ class Ingress:
                     data["speculation"] = event["speculation"]
                 yield _sse(data)
             if final:
-                if include_usage:
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                "choices": [], "usage": event["usage"], "speculation": event["speculation"]})
-                break
+                finals.append(event)
+                if len(finals) == n:
+                    if include_usage:
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                    "choices": [], "usage": _usage(finals), "speculation": _speculation(finals)})
+                    break
             try:
                 event = await stream.__anext__()
             except StopAsyncIteration:
@@ -446,14 +500,15 @@ class Ingress:
                 if exc.retry_after_s is not None:
                     grpc_context.set_trailing_metadata([("retry-after", str(max(1, math.ceil(exc.retry_after_s))))])
             raise
-        async for message in _ending(span, self._grpc_messages(rid, first, stream)):
+        async for message in _ending(span, self._grpc_messages(rid, first, stream, inp.n)):
             yield message
 
-    async def _grpc_messages(self, rid: str, first: dict[str, Any], stream) -> AsyncIterator[Any]:
+    async def _grpc_messages(self, rid: str, first: dict[str, Any], stream, n: int) -> AsyncIterator[Any]:
         event = first
+        finals = 0
         while True:
             message = generate_pb2.GenerateResponse(request_id=rid, token_ids=event.get("token_ids", []),
-                                                    text=event.get("text", ""))
+                                                    text=event.get("text", ""), index=event.get("index", 0))
             message.logprobs.extend(_pb_logprob(e) for e in event.get("logprobs", ()))
             if event["event"] == "final":
                 message.finish_reason = event["finish_reason"]
@@ -466,9 +521,12 @@ class Ingress:
                     acceptance_rate=s["acceptance_rate"], tokens_per_second=s["tokens_per_second"],
                     num_output_tokens=s["num_output_tokens"],
                 ))
+                finals += 1
                 yield message
-                return
-            yield message
+                if finals == n:
+                    return
+            else:
+                yield message
             try:
                 event = await stream.__anext__()
             except StopAsyncIteration:
@@ -488,7 +546,7 @@ class Ingress:
         )
         fields.update({name: getattr(r, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
                                                             "logprobs", "presence_penalty", "frequency_penalty",
-                                                            "repetition_penalty") if r.HasField(name)})
+                                                            "repetition_penalty", "n") if r.HasField(name)})
         if spec.HasField("max_k"):
             fields["speculation_max_k"] = spec.max_k
         if which == "prompt":

@@ -328,31 +328,56 @@ class Engine:
         `trace_context` (W3C, `protos.trace_context`) parents the request's span; without
         it the span continues the current context.
         """
-        self.validate(prompt_token_ids, params)
+        async for _, out in self.generate_choices(prompt_token_ids, [params], request_id, max_k, mode, method,
+                                                  trace_context):
+            yield out
+
+    async def generate_choices(
+        self,
+        prompt_token_ids: Seq[int],
+        params: Seq[SamplingParams],
+        request_id: str | None = None,
+        max_k: int | None = None,
+        mode: str = "auto",
+        method: str | None = None,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`generate` for several outputs of one prompt (the APIs' `n`), one sequence each
+        with its own `params[i]`: (i, event) as the sequences produce them, until every one
+        has finished. They are admitted or refused (`OverloadedError`) together; their ids
+        are `request_id`-i (just `request_id` for one). Leaving early aborts the unfinished."""
+        n = len(params)
+        for p in params:
+            self.validate(prompt_token_ids, p)
         self.validate_speculation(mode, method, max_k)
         # Requests that a free KV slot takes at the next step do not wait.
-        if len(self._waiting) - self.cache.num_free_slots >= self.config.max_waiting:
+        if len(self._waiting) + n - 1 - self.cache.num_free_slots >= self.config.max_waiting:
             raise OverloadedError(
                 f"all {self.config.max_num_seqs} sequence slots are busy and {len(self._waiting)} requests wait "
-                f"(limit {self.config.max_waiting})"
+                f"(limit {self.config.max_waiting})" + (f"; no room for {n} sequences" if n > 1 else "")
             )
-        seq = self._new_sequence(list(prompt_token_ids), params, request_id, max_k, mode, method)
-        seq.span = tracing.start_request(seq.request_id, len(prompt_token_ids), params.max_tokens, mode, trace_context)
-        self._waiting.append(seq)
+        outputs: asyncio.Queue = asyncio.Queue()  # every sequence's events, in the order they come
+        index: dict[str, int] = {}
+        for i, p in enumerate(params):
+            rid = request_id if n == 1 or request_id is None else f"{request_id}-{i}"
+            seq = self._new_sequence(list(prompt_token_ids), p, rid, max_k, mode, method)
+            seq.outputs = outputs
+            seq.span = tracing.start_request(seq.request_id, len(prompt_token_ids), p.max_tokens, mode, trace_context)
+            index[seq.request_id] = i
+            self._waiting.append(seq)
         self._ensure_loop()
-        finished = False
+        unfinished = set(index)
         try:
-            while True:
-                out = await seq.outputs.get()
+            while unfinished:
+                out = await outputs.get()
                 if isinstance(out, BaseException):
                     raise out
-                finished = out.finished
-                yield out
-                if finished:
-                    return
+                if out.finished:
+                    unfinished.discard(out.request_id)
+                yield index[out.request_id], out
         finally:
-            if not finished:
-                self.abort(seq.request_id)
+            for rid in unfinished:
+                self.abort(rid)
 
     def validate_speculation(self, mode: str, method: str | None, max_k: int | None) -> None:
         """Raise `InvalidRequestError` naming the `speculation.*` field that is wrong."""

@@ -11,6 +11,9 @@ Events, in order:
       only as the first and only event: nothing was generated;
   {"event": "delta", "token_ids": [...], "text": "..."}     zero or more;
   {"event": "final", "token_ids", "text", "finish_reason", "usage", "speculation"}.
+A request for n > 1 outputs (`GenerateInput.n`) streams them side by side: each event
+carries its output's "index", and each output ends with a "final" event of its own (its
+"usage" counts the prompt and that output); the stream ends after the n-th.
 When the request asks for log probabilities (`GenerateInput.logprobs`), deltas and the
 final event also carry "logprobs": one entry per token of "token_ids",
   {"token_id", "token", "bytes", "logprob", "top_logprobs": [{"token_id", "token", "bytes", "logprob"}]}
@@ -58,6 +61,8 @@ class GenerateInput:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    #: Outputs to generate for the prompt, each its own sequence (seeded: seed + i).
+    n: int = 1
     #: W3C Trace Context of the caller's span ({"traceparent": ...}): the request's spans
     #: continue that trace (`protos.trace_context`). Empty = the current context.
     trace_context: tuple[tuple[str, str], ...] = ()
@@ -126,18 +131,25 @@ class VerifierServer:
             prompt_ids = self._prompt_ids(req)
             self.engine.validate_speculation(req.speculation_mode, req.speculation_method, req.speculation_max_k)
             params = self._params(req, len(prompt_ids))
-            stream = self.engine.generate(prompt_ids, params, request_id=engine_id, max_k=req.speculation_max_k,
-                                          mode=req.speculation_mode, method=req.speculation_method,
-                                          trace_context=dict(req.trace_context))
+            n, most = req.n, self.engine.config.max_num_seqs
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+                raise InvalidRequestError("n", f"must be an integer in [1, {most}] (the server's max_num_seqs), got {n!r}")
+            choices = [params] if n == 1 else [
+                dataclasses.replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+            stream = self.engine.generate_choices(prompt_ids, choices, request_id=engine_id,
+                                                  max_k=req.speculation_max_k, mode=req.speculation_mode,
+                                                  method=req.speculation_method, trace_context=dict(req.trace_context))
             async with contextlib.aclosing(stream):
-                async for out in stream:
+                async for i, out in stream:
                     logprobs = {} if out.logprobs is None else {"logprobs": self._logprobs(out.logprobs)}
+                    index = {} if n == 1 else {"index": i}
                     if not out.finished:
-                        yield {"event": "delta", "token_ids": out.token_ids, "text": out.text, **logprobs}
+                        yield {"event": "delta", **index, "token_ids": out.token_ids, "text": out.text, **logprobs}
                         continue
                     stats = out.stats
                     yield {
                         "event": "final",
+                        **index,
                         "token_ids": out.token_ids,
                         "text": out.text,
                         "finish_reason": out.finish_reason.value,
@@ -149,7 +161,6 @@ class VerifierServer:
                         "speculation": {"mode": req.speculation_mode, **stats.as_dict()},
                         **logprobs,
                     }
-                    return
         except InvalidRequestError as exc:
             # Raised only before the first event (parsing, engine.validate).
             yield {"event": "error", "kind": "invalid_request", "param": exc.param, "message": str(exc)}

@@ -348,6 +348,47 @@ def greedy_ids(app, conversation) -> list[int]:
     return r.choices[0].model_extra["token_ids"]
 
 
+def test_n_choices_over_http_and_grpc(main_app, tokenizer, greedy, edit_conversations):
+    """n outputs of one request: greedy, each is plain decoding's; sampled with a seed s,
+    choice i is a request of its own with seed s + i; usage counts the prompt once and
+    every output, and the response's speculation sums the choices' own."""
+    client = _client(main_app)
+    conversation = edit_conversations[0]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(conversation))
+    want = greedy([prompt])[0]
+    common = dict(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS)
+    extra = {"speculation": {"mode": "on"}, "return_token_ids": True}
+    r = client.chat.completions.create(**common, temperature=0, n=2, extra_body=extra)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.model_extra["token_ids"] for c in r.choices] == [want, want]
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 2 * len(want)
+    spec, own = r.model_extra["speculation"], [c.model_extra["speculation"] for c in r.choices]
+    assert spec["accepted"] == sum(o["accepted"] for o in own) > 0
+    assert spec["rounds"] == sum(o["rounds"] for o in own)
+    # Sampled, streamed.
+    chunks = list(client.chat.completions.create(**common, temperature=0.9, seed=5, n=3, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body=extra))
+    ids: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finished = []
+    for chunk in chunks:
+        for c in chunk.choices:
+            ids[c.index].extend(c.model_extra.get("token_ids") or [])
+            if c.finish_reason:
+                finished.append(c.index)
+    assert sorted(finished) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == sum(map(len, ids.values()))
+    for i in range(3):
+        alone = client.chat.completions.create(**common, temperature=0.9, seed=5 + i, extra_body=extra)
+        assert alone.choices[0].model_extra["token_ids"] == ids[i], i
+    # gRPC: each message names its output.
+    messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+        prompt_token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, temperature=0.0, n=2))
+    for i in (0, 1):
+        mine = [m for m in messages if m.index == i]
+        assert [t for m in mine for t in m.token_ids] == want
+        assert mine[-1].finish_reason and mine[-1].usage.completion_tokens == len(want)
+
+
 # ---------------------------------------------------------------------- concurrency
 def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     from cluster.workloads import load_conversations
@@ -382,6 +423,8 @@ def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     ({"extra_body": {"speculation": {"method": "eagle"}}}, "speculation.method"),
     ({"max_tokens": 1000, "prompt": "word " * 100}, "max_tokens"),  # prompt + max_tokens > 1024
     ({"logprobs": 21}, "logprobs"),
+    ({"n": 0}, "n"),
+    ({"n": 9}, "n"),  # more than the verifier's 8 slots
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),

@@ -70,6 +70,8 @@ IDS = (1, 2, 3)
         (GenerateInput(prompt=""), "prompt"),
         (GenerateInput(messages=()), "messages"),
         (GenerateInput(messages=({"role": "user"},)), "messages[0]"),
+        (GenerateInput(prompt_token_ids=IDS, n=0), "n"),
+        (GenerateInput(prompt_token_ids=IDS, n=3), "n"),  # more than the 2 slots
     ],
 )
 def test_invalid_request_is_one_error_event(server, req, param):
@@ -136,9 +138,66 @@ def test_chat_request(server, tokenizer):
     assert "Paris" in out["text"]
 
 
+def test_n_outputs_stream_side_by_side_each_as_its_own_request(model, tokenizer, prompt, plain_greedy):
+    """n = 2: each output's events carry its index and it ends with its own final event;
+    sampled with seed s, output i is what a request of its own with seed s + i gives."""
+    engine = _engine(model, tokenizer, max_waiting=2)
+    server = VerifierServer(engine, "smollm2-135m")
+    common = dict(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+    events = _collect(server, GenerateInput(**common, temperature=0.9, seed=11, n=2))
+    assert {e["index"] for e in events} == {0, 1}
+    for i in (0, 1):
+        mine = [e for e in events if e["index"] == i]
+        out = _check_stream(mine)
+        alone = _check_stream(_collect(server, GenerateInput(**common, temperature=0.9, seed=11 + i)))
+        assert out["token_ids"] == alone["token_ids"] and len(out["token_ids"]) == MAX_TOKENS
+        assert out["final"]["usage"]["completion_tokens"] == MAX_TOKENS
+    # Interleaved: the second output's events do not wait for the first's end.
+    first_final = next(j for j, e in enumerate(events) if e["event"] == "final")
+    assert any(e["index"] != events[first_final]["index"] for e in events[:first_final])
+    assert events[-1]["event"] == "final"
+    # Greedy: the same output twice, both speculated.
+    events = _collect(server, GenerateInput(**common, temperature=0.0, n=2))
+    for i in (0, 1):
+        out = _check_stream([e for e in events if e["index"] == i])
+        assert out["token_ids"] == plain_greedy and out["final"]["speculation"]["accepted"] > 0
+    assert engine.num_running == 0 and engine.cache.num_used_slots == 0
+
+
+def test_n_outputs_are_admitted_or_refused_together_and_aborted_together(model, tokenizer, prompt):
+    """3 slots and 1 queue place, 2 requests running: n = 3 does not fit and is refused
+    whole, n = 2 does (one runs, one waits); leaving its stream aborts both."""
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=256, max_waiting=1),
+                    NgramProposer(), Controller.static(4))
+    server = VerifierServer(engine, "smollm2-135m")
+
+    async def run():
+        running = [server.generate(_long(prompt)) for _ in range(2)]
+        try:
+            for stream in running:
+                assert (await stream.__anext__())["event"] == "delta"
+            refused = [e async for e in server.generate(_long(prompt, n=3))]
+            assert [e["kind"] for e in refused] == ["overloaded"], refused
+            assert "no room for 3 sequences" in refused[0]["message"]
+            assert engine.num_running == 2 and engine.num_waiting == 0  # nothing of it was admitted
+            pair = server.generate(_long(prompt, n=2))
+            assert (await pair.__anext__())["event"] == "delta"
+            assert engine.num_running == 3 and engine.num_waiting == 1
+            await pair.aclose()
+            for _ in range(100):  # the next step reaps both
+                if engine.num_running == 2 and engine.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.num_running == 2 and engine.num_waiting == 0 and engine.cache.num_used_slots == 2
+        finally:
+            await _close_all_then_idle(engine, running)
+
+    asyncio.run(run())
+
+
 # ---------------------------------------------------------------------- overload
-def _long(prompt) -> GenerateInput:
-    return GenerateInput(prompt_token_ids=prompt, max_tokens=200, temperature=0.0, ignore_eos=True)
+def _long(prompt, n: int = 1) -> GenerateInput:
+    return GenerateInput(prompt_token_ids=prompt, max_tokens=200, temperature=0.0, ignore_eos=True, n=n)
 
 
 async def _wait_idle(engine: Engine) -> None:
@@ -146,6 +205,14 @@ async def _wait_idle(engine: Engine) -> None:
         if engine.num_running == 0 and engine.num_waiting == 0:
             return
         await asyncio.sleep(0.05)
+
+
+async def _close_all_then_idle(engine: Engine, streams) -> None:
+    """Leave every stream; then nothing runs and every KV slot is free."""
+    for stream in streams:
+        await stream.aclose()
+    await _wait_idle(engine)
+    assert engine.num_running == 0 and engine.cache.num_used_slots == 0
 
 
 def test_overload_with_no_queue(model, tokenizer, prompt):
@@ -161,10 +228,7 @@ def test_overload_with_no_queue(model, tokenizer, prompt):
             third = [e async for e in server.generate(_long(prompt))]
             assert len(third) == 1 and third[0]["event"] == "error" and third[0]["kind"] == "overloaded"
         finally:
-            for stream in running:
-                await stream.aclose()
-        await _wait_idle(engine)
-        assert engine.num_running == 0 and engine.cache.num_used_slots == 0
+            await _close_all_then_idle(engine, running)
 
     asyncio.run(run())
 
