@@ -82,6 +82,17 @@ def _tree_arg(args: argparse.Namespace) -> tuple[int, ...] | None:
     return tuple(int(w) for w in parts)
 
 
+def _logit_bias_arg(items: list[str]) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for item in items:
+        token, sep, bias = item.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise InvalidRequestError("logit_bias", f"must be ID=BIAS, e.g. 198=-100; got {item!r}") from None
+    return tuple(pairs)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from cluster.local import LocalEngineSpec, build_local_engine
     from verifier.sampling_params import SamplingParams
@@ -103,6 +114,8 @@ def _generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
+        logit_bias=_logit_bias_arg(args.logit_bias),
+        min_tokens=args.min_tokens,
     ).validate()
     if args.logprobs is not None and not args.json:
         raise InvalidRequestError("logprobs", "are printed with --json only")
@@ -353,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's and HF's, > 0 (default 1: off)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100 to 100) to token ID's logit (repeatable)")
+    g.add_argument("--min-tokens", type=int, default=0, help="no end of sequence before this many tokens")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each output token's log probability and the N most likely tokens' (0-20)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")

@@ -74,6 +74,8 @@ class _Common(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int = 0  # vLLM extension
     speculation: SpeculationRequest | None = None
     return_token_ids: bool = False  # vLLM extension: output token ids in each choice
 
@@ -145,8 +147,21 @@ def _common_input(body: _Common, request_id: str, max_tokens: int | None, logpro
         top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
         speculation_mode=spec.mode, speculation_method=spec.method, speculation_max_k=spec.max_k,
         logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, n=body.n,
+        repetition_penalty=body.repetition_penalty, n=body.n, logit_bias=_logit_bias(body.logit_bias),
+        min_tokens=body.min_tokens,
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` map, whose keys are token ids written as strings."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", "logit_bias") from None
+        pairs.append((token, value))
+    return tuple(pairs)
 
 
 def _completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
@@ -546,7 +561,9 @@ class Ingress:
         )
         fields.update({name: getattr(r, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
                                                             "logprobs", "presence_penalty", "frequency_penalty",
-                                                            "repetition_penalty", "n") if r.HasField(name)})
+                                                            "repetition_penalty", "n", "min_tokens")
+                       if r.HasField(name)})
+        fields["logit_bias"] = tuple(r.logit_bias.items())
         if spec.HasField("max_k"):
             fields["speculation_max_k"] = spec.max_k
         if which == "prompt":

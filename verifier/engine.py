@@ -44,7 +44,7 @@ from verifier.models.threads import cpu_worker, release_openmp_threads, run_on_c
 from verifier.controller import Controller, SequenceView, StepTimeModel, fallback_problem
 from verifier.observer import EngineObserver
 from verifier.rejection_sampler import greedy_accept, rejection_sample
-from verifier.penalties import PenaltyState, penalize_rows, row_paths
+from verifier.logits_processors import RowContext, process_rows, row_paths
 from verifier.sampling import logits_to_probs, token_logprobs
 from verifier.sampling_params import SamplingParams
 from verifier.sequence import FinishReason, RequestOutput, Sequence, SequenceStats, TokenLogprob
@@ -309,6 +309,9 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError("logit_bias", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     async def generate(
         self,
@@ -523,7 +526,8 @@ class Engine:
             method=method,
             detokenizer=detok,
             outputs=asyncio.Queue(),
-            penalties=PenaltyState(prompt) if params.penalized else None,
+            row_context=(RowContext(prompt, () if params.ignore_eos else self._eos_ids) if params.processed
+                         else None),
         )
 
     def _wake(self) -> None:
@@ -896,17 +900,17 @@ class Engine:
                                  torch.tensor(index, dtype=torch.int64), hidden_index=hidden_index, trees=trees,
                                  hidden_layers=self._hidden_layers)
         logits, hidden = out if hidden_index is not None else (out, None)  # logits: [R, V] float32
-        # What acceptance reads: the logits, each row penalised on its own context where a
+        # What acceptance reads: the logits, each row processed on its own context where a
         # request asks (logprobs stay the raw logits').
         decide = logits
-        if any(w.seq.penalties is not None for w in works):
+        if any(w.seq.row_context is not None for w in works):
             decide = logits.clone()
             row = 0
             for w in works:
                 k = w.draft_token_ids.size
-                if w.seq.penalties is not None:
-                    penalize_rows(decide[row : row + k + 1], w.seq.params, w.seq.penalties,
-                                  row_paths(w.draft_token_ids, w.draft_parents))
+                if w.seq.row_context is not None:
+                    process_rows(decide[row : row + k + 1], w.seq.params, w.seq.row_context,
+                                 row_paths(w.draft_token_ids, w.draft_parents))
                 row += k + 1
         argmax = decide.argmax(dim=-1).tolist()
         row = first = 0
@@ -974,8 +978,8 @@ class Engine:
         for token in work.emitted:
             seq.output_token_ids.append(token)
             new_tokens.append(token)
-            if seq.penalties is not None:
-                seq.penalties.add((token,))
+            if seq.row_context is not None:
+                seq.row_context.add((token,))
             if token in self._eos_ids and not seq.params.ignore_eos:
                 finish = FinishReason.STOP
                 break

@@ -23,14 +23,16 @@ class SamplingParams:
 
     `logprobs` None returns no log probabilities; N >= 0 returns, with every output token,
     its log probability and the N most likely tokens' at that position (`TokenLogprob`).
-    They are the target's own, from its raw logits (before temperature, top-k and top-p,
-    as vLLM's default `raw_logprobs`), whether the token was drafted and accepted or
-    decoded.
+    They are the target's own, from its raw logits (before the processing below and
+    temperature, top-k and top-p, as vLLM's default `raw_logprobs`), whether the token was
+    drafted and accepted or decoded.
 
     `presence_penalty` and `frequency_penalty` (OpenAI's, in [-2, 2]) lower the logit of
     every token the output already holds, by a constant and by its count;
     `repetition_penalty` (vLLM's and HF's, > 0; 1 is off) scales the logits of every token
-    of the prompt or the output (`verifier.penalties`).
+    of the prompt or the output; `logit_bias` ((token id, bias in [-100, 100]) pairs,
+    OpenAI's) adds to those tokens' logits; `min_tokens` (vLLM's) keeps the end-of-sequence
+    ids from being chosen before that many tokens (`verifier.logits_processors`).
     """
 
     max_tokens: int = 16
@@ -44,14 +46,18 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+    def processed(self) -> bool:
+        """Whether the logits are processed before acceptance (`verifier.logits_processors`)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     def validate(self) -> "SamplingParams":
         """Raise `InvalidRequestError` naming the first bad field; return self."""
@@ -79,6 +85,16 @@ class SamplingParams:
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
             raise InvalidRequestError("repetition_penalty", f"must be a finite number > 0, got {r!r}")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequestError("logit_bias", f"keys must be token ids >= 0, got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError("logit_bias", f"biases must be numbers in [-100, 100], got {bias!r} "
+                                                        f"for token {token}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}], "
+                                                    f"got {m!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")

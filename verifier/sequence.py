@@ -125,8 +125,8 @@ class Sequence:
     shadow_method: str | None = None
     shadow_token_ids: list[int] = dataclasses.field(default_factory=list)
     shadow_matched: int = 0
-    #: The output's token counts when the request has penalties (`verifier.penalties`).
-    penalties: object = None
+    #: What processing its logits reads, when the request asks for it (`verifier.logits_processors`).
+    row_context: object = None
 
     def add_hidden(self, rows: torch.Tensor) -> None:
         n = self.num_hidden + rows.shape[0]

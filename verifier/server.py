@@ -61,6 +61,9 @@ class GenerateInput:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    #: (token id, bias) pairs added to those tokens' logits.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
     #: Outputs to generate for the prompt, each its own sequence (seeded: seed + i).
     n: int = 1
     #: W3C Trace Context of the caller's span ({"traceparent": ...}): the request's spans
@@ -109,7 +112,7 @@ class VerifierServer:
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
+            repetition_penalty=req.repetition_penalty, logit_bias=tuple(req.logit_bias), min_tokens=req.min_tokens,
         ).validate()
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:

@@ -134,6 +134,8 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--logprobs", "1"], "logprobs"),  # printed with --json only
         (["--prompt", "hi", "--presence-penalty", "3"], "presence_penalty"),
         (["--prompt", "hi", "--repetition-penalty", "0"], "repetition_penalty"),
+        (["--prompt", "hi", "--logit-bias", "198"], "logit_bias"),
+        (["--prompt", "hi", "--max-tokens", "4", "--min-tokens", "5"], "min_tokens"),
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field):

@@ -310,36 +310,51 @@ def test_grpc_logprobs_are_the_targets_own(main_app, tokenizer, edit_conversatio
     assert all(not m.logprobs for m in plain)
 
 
-def test_penalties_are_honoured_exactly_over_http_and_grpc(main_app, model, tokenizer, edit_conversations):
-    """OpenAI's presence and frequency penalties and vLLM's repetition penalty, with
-    speculation on: the local engine's plain decoding with the same penalties (which
-    tests/verifier/test_penalties.py checks against HF transformers)."""
+def test_logits_processing_is_honoured_exactly_over_http_and_grpc(main_app, model, tokenizer, edit_conversations):
+    """OpenAI's presence and frequency penalties and logit bias, vLLM's repetition penalty
+    and min_tokens, with speculation on: the local engine's plain decoding with the same
+    settings (which tests/verifier/test_logits_processors.py checks against HF transformers)."""
     from verifier.controller import Controller
     from verifier.engine import Engine, EngineConfig
     from verifier.sampling_params import SamplingParams
 
-    # Mild enough that the answers still quote their prompts (n-gram drafts are accepted).
-    penalties = {"presence_penalty": 0.3, "frequency_penalty": 0.3, "repetition_penalty": 1.05}
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in edit_conversations]
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=1024), None, Controller.off())
-    want = [r.token_ids for r in engine.generate_sync(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                                               **penalties))]
+    # Mild enough that the answers still quote their prompts (n-gram drafts are accepted);
+    # a newline favoured; and a one-word answer kept going to 12 tokens.
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    settings = {"presence_penalty": 0.3, "frequency_penalty": 0.3, "repetition_penalty": 1.05,
+                "logit_bias": ((newline, 1.0),)}
+    short = [{"role": "user", "content": "Reply with one word: yes or no?"}]
+    conversations = [*edit_conversations, short]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in conversations]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=1024), None, Controller.off())
+    want = [r.token_ids for r in engine.generate_sync(prompts, [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **settings),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **settings),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, min_tokens=12)])]
+    assert len(want[2]) >= 12
     client = _client(main_app)
-    for conversation, expected in zip(edit_conversations, want):
+    for i, (conversation, expected) in enumerate(zip(conversations, want)):
+        if i < 2:
+            openai_kw = dict(presence_penalty=0.3, frequency_penalty=0.3, logit_bias={str(newline): 1.0})
+            extra = {"repetition_penalty": 1.05}
+            grpc_kw = dict(presence_penalty=0.3, frequency_penalty=0.3, repetition_penalty=1.05,
+                           logit_bias={newline: 1.0})
+        else:
+            openai_kw, extra, grpc_kw = {}, {"min_tokens": 12}, {"min_tokens": 12}
         r = client.chat.completions.create(
-            model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
-            presence_penalty=penalties["presence_penalty"], frequency_penalty=penalties["frequency_penalty"],
-            extra_body={"repetition_penalty": penalties["repetition_penalty"], "speculation": {"mode": "on"},
-                        "return_token_ids": True})
+            model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0, **openai_kw,
+            extra_body={**extra, "speculation": {"mode": "on"}, "return_token_ids": True})
         assert r.choices[0].model_extra["token_ids"] == expected
-        assert r.model_extra["speculation"]["accepted"] > 0
+        if i < 2:
+            assert r.model_extra["speculation"]["accepted"] > 0
         messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
             model=MODEL, messages=generate_pb2.ChatMessages(messages=[
                 generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in conversation]),
-            max_tokens=MAX_TOKENS, temperature=0.0, speculation=generate_pb2.Speculation(mode="on"), **penalties))
+            max_tokens=MAX_TOKENS, temperature=0.0, speculation=generate_pb2.Speculation(mode="on"), **grpc_kw))
         assert [t for m in messages for t in m.token_ids] == expected
-    # Without them the outputs differ: the penalties were applied.
-    assert greedy_ids(main_app, edit_conversations[0]) != want[0]
+    # Without them the outputs differ: the settings were applied.
+    assert greedy_ids(main_app, conversations[0]) != want[0]
+    assert len(greedy_ids(main_app, short)) < 12
 
 
 def greedy_ids(app, conversation) -> list[int]:
@@ -424,6 +439,10 @@ def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     ({"max_tokens": 1000, "prompt": "word " * 100}, "max_tokens"),  # prompt + max_tokens > 1024
     ({"logprobs": 21}, "logprobs"),
     ({"n": 0}, "n"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 200}}, "logit_bias"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias"),  # beyond the vocabulary
+    ({"extra_body": {"min_tokens": 9}}, "min_tokens"),  # more than max_tokens = 8
     ({"n": 9}, "n"),  # more than the verifier's 8 slots
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),

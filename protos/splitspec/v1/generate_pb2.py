@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitspec/v1/generate.proto\x12\x0csplitspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\"I\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x12\n\x05max_k\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_max_k\"\x8b\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.splitspec.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12.\n\x0bspeculation\x18\x0c \x01(\x0b\x32\x19.splitspec.v1.Speculation\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\rH\n\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_n\"\x81\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x30\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd8\x03\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1a\n\x12rounds_with_drafts\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x05 \x01(\x02\x12L\n\x10rounds_by_method\x18\x06 \x03(\x0b\x32\x32.splitspec.v1.SpeculationStats.RoundsByMethodEntry\x12\x41\n\nrounds_off\x18\x07 \x03(\x0b\x32-.splitspec.v1.SpeculationStats.RoundsOffEntry\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\t \x01(\x02\x12\x19\n\x11tokens_per_second\x18\n \x01(\x02\x12\x19\n\x11num_output_tokens\x18\x0b \x01(\r\x1a\x35\n\x13RoundsByMethodEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x30\n\x0eRoundsOffEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.splitspec.v1.SpeculationStats\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r2W\n\x08Generate\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitspec/v1/generate.proto\x12\x0csplitspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\"I\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x12\n\x05max_k\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_max_k\"\xa7\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.splitspec.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12.\n\x0bspeculation\x18\x0c \x01(\x0b\x32\x19.splitspec.v1.Speculation\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\rH\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x13 \x03(\x0b\x32,.splitspec.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x14 \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\r\n\x0b_min_tokens\"\x81\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x30\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd8\x03\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1a\n\x12rounds_with_drafts\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x05 \x01(\x02\x12L\n\x10rounds_by_method\x18\x06 \x03(\x0b\x32\x32.splitspec.v1.SpeculationStats.RoundsByMethodEntry\x12\x41\n\nrounds_off\x18\x07 \x03(\x0b\x32-.splitspec.v1.SpeculationStats.RoundsOffEntry\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\t \x01(\x02\x12\x19\n\x11tokens_per_second\x18\n \x01(\x02\x12\x19\n\x11num_output_tokens\x18\x0b \x01(\r\x1a\x35\n\x13RoundsByMethodEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x30\n\x0eRoundsOffEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.splitspec.v1.SpeculationStats\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r2W\n\x08Generate\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitspec.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SPECULATIONSTATS_ROUNDSBYMETHODENTRY']._loaded_options = None
   _globals['_SPECULATIONSTATS_ROUNDSBYMETHODENTRY']._serialized_options = b'8\001'
   _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._loaded_options = None
@@ -42,21 +44,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATION']._serialized_start=159
   _globals['_SPECULATION']._serialized_end=232
   _globals['_GENERATEREQUEST']._serialized_start=235
-  _globals['_GENERATEREQUEST']._serialized_end=886
-  _globals['_TOKENLOGPROB']._serialized_start=889
-  _globals['_TOKENLOGPROB']._serialized_end=1018
-  _globals['_TOKENIDS']._serialized_start=1020
-  _globals['_TOKENIDS']._serialized_end=1043
-  _globals['_SPECULATIONSTATS']._serialized_start=1046
-  _globals['_SPECULATIONSTATS']._serialized_end=1518
-  _globals['_SPECULATIONSTATS_ROUNDSBYMETHODENTRY']._serialized_start=1415
-  _globals['_SPECULATIONSTATS_ROUNDSBYMETHODENTRY']._serialized_end=1468
-  _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._serialized_start=1470
-  _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._serialized_end=1518
-  _globals['_USAGE']._serialized_start=1520
-  _globals['_USAGE']._serialized_end=1599
-  _globals['_GENERATERESPONSE']._serialized_start=1602
-  _globals['_GENERATERESPONSE']._serialized_end=1846
-  _globals['_GENERATE']._serialized_start=1848
-  _globals['_GENERATE']._serialized_end=1935
+  _globals['_GENERATEREQUEST']._serialized_end=1042
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=825
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=873
+  _globals['_TOKENLOGPROB']._serialized_start=1045
+  _globals['_TOKENLOGPROB']._serialized_end=1174
+  _globals['_TOKENIDS']._serialized_start=1176
+  _globals['_TOKENIDS']._serialized_end=1199
+  _globals['_SPECULATIONSTATS']._serialized_start=1202
+  _globals['_SPECULATIONSTATS']._serialized_end=1674
+  _globals['_SPECULATIONSTATS_ROUNDSBYMETHODENTRY']._serialized_start=1571
+  _globals['_SPECULATIONSTATS_ROUNDSBYMETHODENTRY']._serialized_end=1624
+  _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._serialized_start=1626
+  _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._serialized_end=1674
+  _globals['_USAGE']._serialized_start=1676
+  _globals['_USAGE']._serialized_end=1755
+  _globals['_GENERATERESPONSE']._serialized_start=1758
+  _globals['_GENERATERESPONSE']._serialized_end=2002
+  _globals['_GENERATE']._serialized_start=2004
+  _globals['_GENERATE']._serialized_end=2091
 # @@protoc_insertion_point(module_scope)

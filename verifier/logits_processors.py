@@ -1,19 +1,20 @@
-"""Repetition, frequency and presence penalties, applied to each verified row on its own
-context.
+"""Penalties, logit bias and min_tokens, applied to each verified row on its own context.
 
-The penalties change the target's logits z at a position from what came before it, as
-vLLM applies them (and, for the first, HF transformers' `repetition_penalty`):
+These change the target's logits z at a position from what came before it, as vLLM
+applies them (and, for the repetition penalty, HF transformers' `repetition_penalty`):
 
     repetition r:  z_j / r if z_j > 0 else z_j * r,  for every token j of the prompt or output
     frequency f:   z_j - f * c_j,                     c_j: times j occurs in the output
     presence  s:   z_j - s * [c_j > 0]
+    logit bias b:  z_j + b_j                          (OpenAI's `logit_bias`)
+    min_tokens m:  z_j = -inf for the end-of-sequence ids while fewer than m tokens precede
 
 (in that order; then temperature, top-k and top-p as `verifier.sampling` does). A verified
 row's context is the output so far plus the drafts on its path: row 0 follows the last
 committed token, row i of a chain follows the drafts d_0..d_{i-1}, and the row after a
-token tree's node follows the drafts from the root down to it. Penalising every row with
-its own counts is what makes speculation exact under penalties: the row that decides a
-token sees the counts a plain decode step would at that position.
+token tree's node follows the drafts from the root down to it. Processing every row with
+its own counts and position is what keeps speculation exact: the row that decides a token
+sees what a plain decode step would at that position.
 """
 
 from __future__ import annotations
@@ -27,35 +28,44 @@ import torch
 from verifier.sampling_params import SamplingParams
 
 
-class PenaltyState:
-    """What one sequence's penalties read: its output's token counts and, for the
-    repetition penalty, the set of its prompt's tokens."""
+class RowContext:
+    """What one sequence's processing reads: its output's token counts and length, its
+    prompt's tokens (repetition penalty) and the ids that would end it (min_tokens)."""
 
-    def __init__(self, prompt_token_ids: Iterable[int]) -> None:
+    def __init__(self, prompt_token_ids: Iterable[int], stop_token_ids: Iterable[int] = ()) -> None:
         self.prompt_tokens = frozenset(prompt_token_ids)
+        self.stop_token_ids = sorted(stop_token_ids)
         self.counts: collections.Counter[int] = collections.Counter()
+        self.num_output = 0
 
-    def add(self, token_ids: Iterable[int]) -> None:
+    def add(self, token_ids: Sequence[int]) -> None:
         self.counts.update(token_ids)
+        self.num_output += len(token_ids)
 
 
-def penalize_rows(logits: torch.Tensor, params: SamplingParams, state: PenaltyState,
-                  paths: Sequence[Sequence[int]]) -> None:
-    """Penalise `logits` (float32 [n, V]) in place, row i as if the output went on with
+def process_rows(logits: torch.Tensor, params: SamplingParams, context: RowContext,
+                 paths: Sequence[Sequence[int]]) -> None:
+    """Process `logits` (float32 [n, V]) in place, row i as if the output went on with
     `paths[i]` (the drafts between the committed output and that row)."""
     assert logits.shape[0] == len(paths), f"{logits.shape=} {len(paths)=}"
     r, f, s = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
+    bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
     for i, path in enumerate(paths):
-        counts = state.counts + collections.Counter(path) if path else state.counts
+        counts = context.counts + collections.Counter(path) if path else context.counts
         row = logits[i]
         if r != 1.0:
-            seen = torch.tensor(sorted(state.prompt_tokens | counts.keys()), dtype=torch.int64)
+            seen = torch.tensor(sorted(context.prompt_tokens | counts.keys()), dtype=torch.int64)
             z = row[seen]
             row[seen] = torch.where(z > 0, z / r, z * r)
         if (f or s) and counts:
             ids = torch.tensor(list(counts.keys()), dtype=torch.int64)
             c = torch.tensor(list(counts.values()), dtype=torch.float32)
             row[ids] -= f * c + s
+        if params.logit_bias:
+            row[bias_ids] += bias
+        if context.num_output + len(path) < params.min_tokens and context.stop_token_ids:
+            row[context.stop_token_ids] = float("-inf")
 
 
 def row_paths(drafts: np.ndarray, parents: np.ndarray | None) -> list[list[int]]:

@@ -1,10 +1,11 @@
-"""Penalties (`verifier.penalties`) stay exact under speculation: each verified row is
-penalised on its own context (the output plus the drafts on its path).
+"""Penalties, logit bias and min_tokens (`verifier.logits_processors`) stay exact under
+speculation: each verified row is processed on its own context (the output plus the
+drafts on its path).
 
 References: hand computation; HF transformers' `generate` with its own
-`repetition_penalty`; and, for OpenAI's presence and frequency penalties, which HF does
-not have, a decoding loop written here over HF's forward (its logits, the penalty formula
-from OpenAI's API reference, argmax).
+`repetition_penalty`; and, for what HF's `generate` does not have as such (OpenAI's
+presence and frequency penalties and logit bias, vLLM's min_tokens), a decoding loop
+written here over HF's forward (its logits, the formula from the API references, argmax).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tests.verifier.test_engine import _OracleTreeProposer
 from verifier.controller import Controller
 from verifier.engine import Engine, EngineConfig
 from verifier.errors import InvalidRequestError
-from verifier.penalties import PenaltyState, penalize_rows, row_paths
+from verifier.logits_processors import RowContext, process_rows, row_paths
 from verifier.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -30,14 +31,27 @@ PRESENCE, FREQUENCY = 1.0, 1.5
 
 def test_penalties_by_hand():
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    state = PenaltyState([0, 0])
-    state.add([2, 3, 2])  # counts {2: 2, 3: 1}
+    context = RowContext([0, 0])
+    context.add([2, 3, 2])  # counts {2: 2, 3: 1}
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]] * 2)
-    penalize_rows(logits, params, state, [[], [1]])
+    process_rows(logits, params, context, [[], [1]])
     # Token 0 (prompt only): 2 / 2. Token 1: untouched in row 0; in row 1 (drafted once
     # before it): -1 * 2 - 0.5 - 0.25. Token 2: 0.5 / 2 - 0.5 * 2 - 0.25. Token 3: 3 / 2 - 0.5 - 0.25.
     assert logits.tolist() == [[1.0, -1.0, -1.0, 0.75], [1.0, -2.75, -1.0, 0.75]]
-    assert state.counts == {2: 2, 3: 1}  # the paths are not added to the output's counts
+    assert context.counts == {2: 2, 3: 1}  # the paths are not added to the output's counts
+
+
+def test_logit_bias_and_min_tokens_by_hand():
+    """Bias after the penalties; min_tokens 4 with 2 tokens out: the rows deciding tokens 3
+    and 4 (paths of 0 and 1 drafts) cannot end the output, the row deciding token 5 can."""
+    params = SamplingParams(max_tokens=8, presence_penalty=1.0, logit_bias=((1, 2.5), (3, -100.0)), min_tokens=4)
+    context = RowContext([], stop_token_ids=[3])
+    context.add([1, 2])
+    logits = torch.zeros(3, 4)
+    process_rows(logits, params, context, [[], [0], [0, 2]])
+    ninf = float("-inf")
+    assert logits.tolist() == [[0.0, 1.5, -1.0, ninf], [-1.0, 1.5, -1.0, ninf], [-1.0, 1.5, -1.0, -100.0]]
+    assert context.num_output == 2
 
 
 def test_row_paths_by_hand():
@@ -48,10 +62,12 @@ def test_row_paths_by_hand():
 
 
 @pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-                                          ("repetition_penalty", 0.0), ("repetition_penalty", float("inf"))])
-def test_bad_penalties_are_refused_naming_the_field(field, value):
+                                          ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")),
+                                          ("logit_bias", ((5, 101.0),)), ("logit_bias", ((-1, 1.0),)),
+                                          ("min_tokens", -1), ("min_tokens", 17)])
+def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError) as info:
-        SamplingParams(**{field: value}).validate()
+        SamplingParams(**{field: value}).validate()  # max_tokens 16
     assert info.value.param == field
 
 
@@ -62,13 +78,13 @@ def prompts(tokenizer):
     return load_prompts("code_edit", tokenizer)[:2] + load_prompts("chat", tokenizer)[:2]
 
 
-def _reference_presence_frequency(hf_model, tokenizer, prompt: list[int], presence: float, frequency: float):
+def _reference(hf_model, tokenizer, prompt: list[int], adjust) -> list[int]:
+    """Greedy decoding over HF's logits, each step's adjusted by `adjust(logits, output)`."""
     out: list[int] = []
     with torch.inference_mode():
         for _ in range(MAX_TOKENS):
             logits = hf_model(torch.tensor([prompt + out])).logits[0, -1].float()
-            for token in set(out):
-                logits[token] -= frequency * out.count(token) + presence
+            adjust(logits, out)
             token = int(logits.argmax())
             out.append(token)
             if token in tokenizer.eos_token_ids:
@@ -110,8 +126,12 @@ def test_presence_and_frequency_penalties_are_exact_under_speculation(model, tok
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, presence_penalty=PRESENCE,
                             frequency_penalty=FREQUENCY)
     plain = [r.token_ids for r in Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(prompts, greedy)]
+    def adjust(logits, out):
+        for token in set(out):
+            logits[token] -= FREQUENCY * out.count(token) + PRESENCE
+
     for prompt, ours in zip(prompts, plain):
-        assert ours == _reference_presence_frequency(hf_model, tokenizer, prompt, PRESENCE, FREQUENCY)
+        assert ours == _reference(hf_model, tokenizer, prompt, adjust)
     unpenalized = Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
         prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert [r.token_ids for r in unpenalized] != plain
@@ -122,4 +142,38 @@ def test_presence_and_frequency_penalties_are_exact_under_speculation(model, tok
     sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_k=1, seed=3, presence_penalty=PRESENCE,
                              frequency_penalty=FREQUENCY)
     chains, trees = _speculative_runs(model, tokenizer, prompts, sampled, plain)
+    assert chains == plain and trees == plain
+
+
+def test_logit_bias_and_min_tokens_are_exact_under_speculation(model, tokenizer, hf_model, prompts):
+    """Each prompt's first two greedy tokens banned (-100) and a newline favoured (+3);
+    chat answers that end early kept from ending before 20 tokens."""
+    unbiased = [r.token_ids for r in Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    chat = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
+            for q in ("What is the capital of Italy? Answer briefly.", "Reply with one word: yes or no?")]
+    eos = sorted(tokenizer.eos_token_ids)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logit_bias=((u[0], -100.0), (u[1], -100.0),
+                                                                                 (newline, 3.0)))
+              for u in unbiased]
+    params += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, min_tokens=20)] * 2
+    everything = prompts + chat
+    plain = [r.token_ids for r in Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        everything, params)]
+    for prompt, p, ours in zip(everything, params, plain):
+        def adjust(logits, out, p=p):
+            for token, bias in p.logit_bias:
+                logits[token] += bias
+            if len(out) < p.min_tokens:
+                logits[eos] = float("-inf")
+
+        assert ours == _reference(hf_model, tokenizer, prompt, adjust)
+    assert all(o[:2] != u[:2] for o, u in zip(plain, unbiased))
+    # Without min_tokens both chat answers end before 20 tokens; with it they end after.
+    short = Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        chat, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert all(len(r.token_ids) < 20 and r.token_ids[-1] in eos for r in short)
+    assert all(len(o) >= 20 for o in plain[len(prompts):])
+    chains, trees = _speculative_runs(model, tokenizer, everything, params, plain)
     assert chains == plain and trees == plain
