@@ -175,7 +175,9 @@ def _completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
+        # An echoed prompt's first token has neither (nothing precedes it).
+        "top_logprobs": [None if e["logprob"] is None else
+                         {**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
                          for e in entries],
         "text_offset": offsets,
     }
@@ -189,25 +191,32 @@ def _pb_logprob(e: dict[str, Any]) -> generate_pb2.TokenLogprob:
 class _Output:
     """One output of a whole (not streamed) response, gathered from its events."""
 
-    def __init__(self, logprobs: bool) -> None:
+    def __init__(self, logprobs: bool, drop: bool) -> None:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
         self.final: dict[str, Any] | None = None
+        self.drop = drop  # echo with max_tokens 0: the prompt only
 
     def add(self, event: dict[str, Any]) -> None:
-        self.text.append(event.get("text", ""))
-        self.token_ids.extend(event.get("token_ids", []))
+        # An echo's prompt comes first (and its logprobs, the first token's None).
+        self.text.append(event.get("prompt_text", ""))
         if self.logprobs is not None:
-            self.logprobs.extend(event.get("logprobs", []))
+            self.logprobs.extend(event.get("prompt_logprobs", []))
+        if not self.drop:
+            self.text.append(event.get("text", ""))
+            self.token_ids.extend(event.get("token_ids", []))
+            if self.logprobs is not None:
+                self.logprobs.extend(event.get("logprobs", []))
         if event["event"] == "final":
             self.final = event
 
 
-def _usage(finals: list[dict[str, Any]]) -> dict[str, int]:
-    """A request's usage from its outputs' final events: the prompt once, every output."""
+def _usage(finals: list[dict[str, Any]], drop: bool = False) -> dict[str, int]:
+    """A request's usage from its outputs' final events: the prompt once, every output
+    (none when they were dropped: echo with max_tokens 0)."""
     prompt = finals[0]["usage"]["prompt_tokens"]
-    completion = sum(f["usage"]["completion_tokens"] for f in finals)
+    completion = 0 if drop else sum(f["usage"]["completion_tokens"] for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -309,7 +318,8 @@ class Ingress:
             raise _error_from_event(first)
         return first, stream
 
-    async def _run(self, body: _Common, inp: GenerateInput, chat: bool):
+    async def _run(self, body: _Common, inp: GenerateInput, chat: bool, drop: bool = False):
+        """`drop`: echo with max_tokens 0, so the response holds the prompt and no output."""
         rid = inp.request_id
         span = tracer.start_span("splitspec.ingress", attributes={
             "splitspec.api": "chat.completions" if chat else "completions", "splitspec.request_id": rid,
@@ -324,13 +334,14 @@ class Ingress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _ending(span, self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids, inp.n)),
+                _ending(span, self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids, inp.n,
+                                               drop)),
                 media_type="text/event-stream")
         outputs: dict[int, _Output] = {}
         try:
             event = first
             while True:
-                out = outputs.setdefault(event.get("index", 0), _Output(inp.logprobs is not None))
+                out = outputs.setdefault(event.get("index", 0), _Output(inp.logprobs is not None, drop))
                 out.add(event)
                 if sum(o.final is not None for o in outputs.values()) == inp.n:
                     break
@@ -338,9 +349,10 @@ class Ingress:
         finally:
             span.end()
         return JSONResponse(self._full_response(rid, [outputs[i] for i in sorted(outputs)], chat,
-                                                body.return_token_ids))
+                                                body.return_token_ids, drop))
 
-    def _full_response(self, rid: str, outputs: list["_Output"], chat: bool, token_ids: bool) -> dict[str, Any]:
+    def _full_response(self, rid: str, outputs: list["_Output"], chat: bool, token_ids: bool,
+                       drop: bool) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outputs):
             text = "".join(out.text)
@@ -350,7 +362,7 @@ class Ingress:
             else:
                 choice = {"index": i, "text": text,
                           "logprobs": None if out.logprobs is None else _completion_logprobs(out.logprobs, 0)}
-            choice["finish_reason"] = out.final["finish_reason"]
+            choice["finish_reason"] = "length" if drop else out.final["finish_reason"]
             if token_ids:
                 choice["token_ids"] = out.token_ids
             if len(outputs) > 1:  # each output's own; the response's sums them
@@ -359,12 +371,12 @@ class Ingress:
         finals = [o.final for o in outputs]
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": _usage(finals),
+            "model": self.model_name, "choices": choices, "usage": _usage(finals, drop),
             "speculation": _speculation(finals),
         }
 
     async def _sse_stream(self, rid: str, first: dict[str, Any], stream, chat: bool,
-                          include_usage: bool, token_ids: bool, n: int) -> AsyncIterator[str]:
+                          include_usage: bool, token_ids: bool, n: int, drop: bool) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         text_offset = [0] * n  # the completions API's, per output: characters of tokens streamed so far
@@ -392,6 +404,11 @@ class Ingress:
         while True:
             final = event["event"] == "final"
             i = event.get("index", 0)
+            if "prompt_text" in event:  # an echo: the prompt first, as its own chunk
+                yield _sse(chunk(i, event["prompt_text"], None, logprobs=event.get("prompt_logprobs")))
+            if drop:  # echo with max_tokens 0: no output
+                event = {**event, "text": "", "token_ids": [], "logprobs": [] if "logprobs" in event else None,
+                         "finish_reason": "length"}
             if event.get("text") or event.get("token_ids") or final:
                 data = chunk(i, event.get("text", ""), event["finish_reason"] if final else None,
                              logprobs=event.get("logprobs"))
@@ -405,7 +422,7 @@ class Ingress:
                 if len(finals) == n:
                     if include_usage:
                         yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                    "choices": [], "usage": _usage(finals), "speculation": _speculation(finals)})
+                                    "choices": [], "usage": _usage(finals, drop), "speculation": _speculation(finals)})
                     break
             try:
                 event = await stream.__anext__()
@@ -455,22 +472,24 @@ class Ingress:
         try:
             body = _parse(CompletionBody, await _json(request))
             self._check_model(body.model)
-            if body.echo:
-                raise ApiError(400, "echo: not supported", "echo")
             prompt = body.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
                 if len(prompt) != 1:
                     raise ApiError(400, "prompt: only one prompt per request is supported", "prompt")
                 prompt = prompt[0]
             rid = f"cmpl-{uuid.uuid4().hex}"
-            fields = _common_input(body, rid, body.max_tokens, body.logprobs)
+            # Echo with max_tokens 0 scores the prompt alone (as OpenAI's API allows): one
+            # token is generated and dropped.
+            drop = body.echo and body.max_tokens == 0
+            fields = _common_input(body, rid, 1 if drop else body.max_tokens, body.logprobs)
+            fields.update(echo=body.echo, prompt_logprobs=body.logprobs if body.echo else None)
             if isinstance(prompt, list):
                 inp = GenerateInput(prompt_token_ids=tuple(prompt), **fields)
             else:
                 inp = GenerateInput(prompt=prompt, **fields)
         except ApiError as exc:
             return exc.response()
-        return await self._run(body, inp, chat=False)
+        return await self._run(body, inp, chat=False, drop=drop)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -525,6 +544,7 @@ class Ingress:
             message = generate_pb2.GenerateResponse(request_id=rid, token_ids=event.get("token_ids", []),
                                                     text=event.get("text", ""), index=event.get("index", 0))
             message.logprobs.extend(_pb_logprob(e) for e in event.get("logprobs", ()))
+            message.prompt_logprobs.extend(_pb_logprob(e) for e in event.get("prompt_logprobs", ()))
             if event["event"] == "final":
                 message.finish_reason = event["finish_reason"]
                 message.usage.CopyFrom(generate_pb2.Usage(**event["usage"]))
@@ -561,7 +581,7 @@ class Ingress:
         )
         fields.update({name: getattr(r, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
                                                             "logprobs", "presence_penalty", "frequency_penalty",
-                                                            "repetition_penalty", "n", "min_tokens")
+                                                            "repetition_penalty", "n", "min_tokens", "prompt_logprobs")
                        if r.HasField(name)})
         fields["logit_bias"] = tuple(r.logit_bias.items())
         if spec.HasField("max_k"):

@@ -129,6 +129,8 @@ class GenerationResult:
     stats: SequenceStats
     #: One per token of `token_ids` when the request asked for them (`SamplingParams.logprobs`).
     logprobs: list[TokenLogprob] | None = None
+    #: One per prompt token, None for the first (`SamplingParams.prompt_logprobs`).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -155,6 +157,8 @@ class _Work:
     decided: str = ""
     #: The emitted tokens' log probabilities, when the request asked for them.
     logprobs: list[TokenLogprob] | None = None
+    #: A prefill's prompt tokens' (None for the first), when the request asked for them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         self.span = tracing.start_round(self.seq.span, prefill=not self.seq.output_token_ids)
@@ -487,15 +491,18 @@ class Engine:
             token_ids: list[int] = []
             text: list[str] = []
             logprobs: list[TokenLogprob] | None = None if p.logprobs is None else []
+            prompt_logprobs = None
             rid = f"gen-{next(self._ids)}"
             async for out in self.generate(prompt, p, request_id=rid, max_k=max_k, mode=mode, method=method):
                 token_ids.extend(out.token_ids)
                 text.append(out.text)
                 if logprobs is not None:
                     logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     return GenerationResult(rid, list(prompt), token_ids, "".join(text), out.finish_reason, out.stats,
-                                            logprobs)
+                                            logprobs, prompt_logprobs)
             raise AssertionError("stream ended without a final event")
 
         return list(await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, per_request))))
@@ -881,12 +888,16 @@ class Engine:
         """Worker thread: forward pass, then acceptance for every sequence; returns its seconds."""
         start = time.perf_counter()
         num_tokens = [len(w.input_token_ids) for w in works]
-        # Logits are needed for the last k + 1 inputs of each sequence (k = 0 for a prefill).
-        index = []
+        # Logits are needed for the last k + 1 inputs of each sequence (k = 0 for a prefill),
+        # and for every prompt position of a prefill that asks for the prompt's logprobs;
+        # starts[i]: the row of works[i]'s first of its last k + 1.
+        index, starts = [], []
         offset = 0
         for w, n in zip(works, num_tokens):
             k = w.draft_token_ids.size
-            index.extend(range(offset + n - k - 1, offset + n))
+            first = offset if self._wants_prompt_rows(w) else offset + n - k - 1
+            starts.append(len(index) + offset + n - k - 1 - first)
+            index.extend(range(first, offset + n))
             offset += n
         token_ids = torch.tensor(list(itertools.chain.from_iterable(w.input_token_ids for w in works)),
                                  dtype=torch.int64)
@@ -905,18 +916,19 @@ class Engine:
         decide = logits
         if any(w.seq.row_context is not None for w in works):
             decide = logits.clone()
-            row = 0
-            for w in works:
-                k = w.draft_token_ids.size
+            for w, row in zip(works, starts):
                 if w.seq.row_context is not None:
-                    process_rows(decide[row : row + k + 1], w.seq.params, w.seq.row_context,
+                    process_rows(decide[row : row + w.draft_token_ids.size + 1], w.seq.params, w.seq.row_context,
                                  row_paths(w.draft_token_ids, w.draft_parents))
-                row += k + 1
         argmax = decide.argmax(dim=-1).tolist()
-        row = first = 0
-        for w in works:
+        first = 0
+        for w, row in zip(works, starts):
             k = w.draft_token_ids.size
             p = w.seq.params
+            if self._wants_prompt_rows(w):  # row j - 1 scores prompt token j
+                prompt = w.input_token_ids
+                w.prompt_logprobs = [None, *token_logprobs(logits[row - len(prompt) + 1 : row], prompt[1:],
+                                                           p.prompt_logprobs)]
             if w.draft_parents is not None:  # a token tree: the drafts of the accepted path
                 if p.greedy:
                     accepted, emitted = greedy_accept_tree(argmax[row : row + k + 1], w.draft_token_ids,
@@ -950,8 +962,12 @@ class Engine:
                     kept = torch.cat([kept, hidden[first + n - k + torch.tensor(accepted)]])
                 w.seq.add_hidden(kept)
                 first += n
-            row += k + 1
         return time.perf_counter() - start
+
+    @staticmethod
+    def _wants_prompt_rows(work: _Work) -> bool:
+        """A prefill whose request asks for its prompt's logprobs."""
+        return not work.seq.output_token_ids and work.seq.params.prompt_logprobs is not None
 
     def _commit(self, work: _Work) -> None:
         """On the loop: append emitted tokens, apply stop rules, stream the event out."""
@@ -1003,10 +1019,11 @@ class Engine:
         self.stats.num_output_tokens += len(new_tokens)
         logprobs = None if work.logprobs is None else work.logprobs[: len(new_tokens)]
         if finish is None:
-            seq.outputs.put_nowait(RequestOutput(seq.request_id, new_tokens, "".join(text), logprobs=logprobs))
+            seq.outputs.put_nowait(RequestOutput(seq.request_id, new_tokens, "".join(text), logprobs=logprobs,
+                                                 prompt_logprobs=work.prompt_logprobs))
             return
         seq.outputs.put_nowait(RequestOutput(seq.request_id, new_tokens, "".join(text), True, finish, seq.stats,
-                                             logprobs))
+                                             logprobs, work.prompt_logprobs))
         self._finish(seq, finish)
 
     def _count_round(self, stats: SequenceStats, k: int, num_accepted: int) -> None:

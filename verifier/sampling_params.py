@@ -25,7 +25,8 @@ class SamplingParams:
     its log probability and the N most likely tokens' at that position (`TokenLogprob`).
     They are the target's own, from its raw logits (before the processing below and
     temperature, top-k and top-p, as vLLM's default `raw_logprobs`), whether the token was
-    drafted and accepted or decoded.
+    drafted and accepted or decoded. `prompt_logprobs` N returns the same for every prompt
+    token but the first (from the prefill's rows), once, with the first output token.
 
     `presence_penalty` and `frequency_penalty` (OpenAI's, in [-2, 2]) lower the logit of
     every token the output already holds, by a constant and by its count;
@@ -43,6 +44,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -75,9 +77,10 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+                raise InvalidRequestError(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:

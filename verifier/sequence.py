@@ -89,6 +89,9 @@ class RequestOutput:
     stats: SequenceStats | None = None  # set on the final event
     #: One per token of `token_ids` when the request asked for them (`SamplingParams.logprobs`).
     logprobs: list[TokenLogprob] | None = None
+    #: On the first event when the request asked for them (`SamplingParams.prompt_logprobs`):
+    #: one per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass

@@ -17,7 +17,10 @@ carries its output's "index", and each output ends with a "final" event of its o
 When the request asks for log probabilities (`GenerateInput.logprobs`), deltas and the
 final event also carry "logprobs": one entry per token of "token_ids",
   {"token_id", "token", "bytes", "logprob", "top_logprobs": [{"token_id", "token", "bytes", "logprob"}]}
-("token": the token's text, `Tokenizer.token_text`; "bytes": its bytes as ints).
+("token": the token's text, `Tokenizer.token_text`; "bytes": its bytes as ints). An
+output's first event also carries "prompt_text" when the request asks for `echo`, and
+"prompt_logprobs" (entries as above, one per prompt token, the first's logprob None)
+when it asks for `prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from verifier.engine import Engine
 from verifier.errors import InvalidRequestError, OverloadedError
@@ -66,6 +69,11 @@ class GenerateInput:
     min_tokens: int = 0
     #: Outputs to generate for the prompt, each its own sequence (seeded: seed + i).
     n: int = 1
+    #: Each output's first event carries the prompt's text ("prompt_text").
+    echo: bool = False
+    #: None, or N: each output's first event carries "prompt_logprobs", one entry per
+    #: prompt token (the first's logprob None), as "logprobs" are.
+    prompt_logprobs: int | None = None
     #: W3C Trace Context of the caller's span ({"traceparent": ...}): the request's spans
     #: continue that trace (`protos.trace_context`). Empty = the current context.
     trace_context: tuple[tuple[str, str], ...] = ()
@@ -111,20 +119,24 @@ class VerifierServer:
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=tuple(req.logit_bias), min_tokens=req.min_tokens,
         ).validate()
 
-    def _logprobs(self, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    def _logprobs(self, logprobs: list[TokenLogprob | None], token_ids: Sequence[int]) -> list[dict[str, Any]]:
+        """Event entries for `token_ids`' logprobs; a None (a prompt's first token) gives
+        the token with a None logprob and no alternatives."""
         tok = self.engine.tokenizer
 
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
             # -9999 stands for -inf, which JSON cannot carry (as vLLM does).
-            return {"token_id": token_id, "token": tok.token_text(token_id),
-                    "bytes": list(tok.token_bytes(token_id)), "logprob": max(logprob, -9999.0)}
+            return {"token_id": token_id, "token": tok.token_text(token_id), "bytes": list(tok.token_bytes(token_id)),
+                    "logprob": None if logprob is None else max(logprob, -9999.0)}
 
-        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                for lp in logprobs]
+        return [{**entry(t, None), "top_logprobs": []} if lp is None else
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                for t, lp in zip(token_ids, logprobs)]
 
     async def generate(self, req: GenerateInput) -> AsyncIterator[dict[str, Any]]:
         """Stream events for one request (see the module docstring)."""
@@ -142,12 +154,20 @@ class VerifierServer:
             stream = self.engine.generate_choices(prompt_ids, choices, request_id=engine_id,
                                                   max_k=req.speculation_max_k, mode=req.speculation_mode,
                                                   method=req.speculation_method, trace_context=dict(req.trace_context))
+            started: set[int] = set()
             async with contextlib.aclosing(stream):
                 async for i, out in stream:
-                    logprobs = {} if out.logprobs is None else {"logprobs": self._logprobs(out.logprobs)}
+                    extra = {} if out.logprobs is None else {"logprobs": self._logprobs(out.logprobs, out.token_ids)}
+                    if i not in started:  # an output's first event: the prompt, where asked
+                        started.add(i)
+                        if req.echo:
+                            extra["prompt_text"] = (req.prompt if req.prompt is not None
+                                                    else self.engine.tokenizer.decode(prompt_ids))
+                        if out.prompt_logprobs is not None:
+                            extra["prompt_logprobs"] = self._logprobs(out.prompt_logprobs, prompt_ids)
                     index = {} if n == 1 else {"index": i}
                     if not out.finished:
-                        yield {"event": "delta", **index, "token_ids": out.token_ids, "text": out.text, **logprobs}
+                        yield {"event": "delta", **index, "token_ids": out.token_ids, "text": out.text, **extra}
                         continue
                     stats = out.stats
                     yield {
@@ -162,7 +182,7 @@ class VerifierServer:
                             "total_tokens": len(prompt_ids) + stats.num_output_tokens,
                         },
                         "speculation": {"mode": req.speculation_mode, **stats.as_dict()},
-                        **logprobs,
+                        **extra,
                     }
         except InvalidRequestError as exc:
             # Raised only before the first event (parsing, engine.validate).

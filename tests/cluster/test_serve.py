@@ -294,6 +294,48 @@ def test_completion_logprobs_are_the_targets_own(main_app, tokenizer, edit_conve
         assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 
+def test_echo_scores_the_prompt_and_continues_it(main_app, model, tokenizer, greedy):
+    """Completions' echo: with max_tokens 0 and logprobs, the prompt alone with its tokens'
+    logprobs (the first's None), as an evaluation harness asks; with max_tokens 8, the
+    prompt then the output, streamed too; over gRPC, prompt_logprobs."""
+    from verifier.controller import Controller
+    from verifier.engine import Engine, EngineConfig
+    from verifier.sampling_params import SamplingParams
+
+    text = "The capital of France is Paris. The capital of Italy is"
+    prompt = tokenizer.encode(text)
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=1024), None, Controller.off())
+    want = engine.generate_sync([prompt], SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=2))[0]
+    client = _client(main_app)
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    choice = r.choices[0]
+    assert choice.text == text and choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.tokens == [tokenizer.token_text(t) for t in prompt]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in want.prompt_logprobs[1:]], abs=1e-4)
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(prompt))]
+    # With output, whole and streamed: the prompt, then what plain decoding continues with.
+    continued = text + tokenizer.decode(want.token_ids)
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=8, echo=True, temperature=0,
+                                  extra_body={"speculation": {"mode": "on"}})
+    assert r.choices[0].text == continued and r.usage.completion_tokens == 8
+    chunks = list(client.completions.create(model=MODEL, prompt=text, max_tokens=8, echo=True, temperature=0,
+                                            stream=True, logprobs=0))
+    assert "".join(c.choices[0].text for c in chunks) == continued
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == [tokenizer.token_text(t) for t in prompt + want.token_ids]
+    # gRPC: the prompt's logprobs on the first message, the first token's unset.
+    messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+        prompt=text, max_tokens=4, temperature=0.0, prompt_logprobs=2))
+    entries = messages[0].prompt_logprobs
+    assert [e.token_id for e in entries] == prompt and not entries[0].HasField("logprob")
+    assert [e.logprob for e in entries[1:]] == pytest.approx([e.logprob for e in want.prompt_logprobs[1:]], abs=1e-4)
+    assert all(not m.prompt_logprobs for m in messages[1:])
+
+
 def test_grpc_logprobs_are_the_targets_own(main_app, tokenizer, edit_conversations, with_logprobs):
     for conversation, (_, want) in zip(edit_conversations, with_logprobs):
         messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
@@ -443,6 +485,7 @@ def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     ({"logit_bias": {"5": 200}}, "logit_bias"),
     ({"logit_bias": {"49152": 1}}, "logit_bias"),  # beyond the vocabulary
     ({"extra_body": {"min_tokens": 9}}, "min_tokens"),  # more than max_tokens = 8
+    ({"echo": True, "logprobs": 21}, "logprobs"),
     ({"n": 9}, "n"),  # more than the verifier's 8 slots
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),

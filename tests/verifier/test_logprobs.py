@@ -42,11 +42,12 @@ def test_token_logprobs_by_hand():
     assert [t for t, _ in token_logprobs(logits[:1], [0], 7)[0].top] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, True, 1.5])
-def test_bad_logprobs_are_refused_naming_the_field(bad):
+def test_bad_logprobs_are_refused_naming_the_field(bad, field):
     with pytest.raises(InvalidRequestError) as info:
-        SamplingParams(logprobs=bad).validate()
-    assert info.value.param == "logprobs"
+        SamplingParams(**{field: bad}).validate()
+    assert info.value.param == field
 
 
 def test_token_bytes_and_text(tokenizer):
@@ -146,3 +147,30 @@ def test_logprobs_end_with_the_output(model, tokenizer, prompts):
         assert all(lp.top == () for lp in r.logprobs)
     # Not asked: none.
     assert engine.generate_sync(prompts[:1], params)[0].logprobs is None
+
+
+def test_prompt_logprobs_equal_hf_in_passes_beside_other_sequences(model, tokenizer, hf_model, prompts):
+    """Prefills that ask for their prompt's logprobs (every prompt row's logits) share
+    passes with other sequences' prefills and verifications (6 requests, 3 slots), and
+    every output stays plain decoding's."""
+    six = prompts + prompts[:2]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=2 if i % 2 == 0 else None)
+              for i in range(len(six))]
+    plain = Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        six, SamplingParams(max_tokens=16, temperature=0.0))
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512), NgramProposer(),
+                    Controller.static(4))
+    results = engine.generate_sync(six, params)
+    assert engine.stats.num_accepted > 0
+    for prompt, p, r, want in zip(six, params, results, plain):
+        assert r.token_ids == want.token_ids
+        if p.prompt_logprobs is None:
+            assert r.prompt_logprobs is None
+            continue
+        assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+        for j, lp in enumerate(r.prompt_logprobs[1:]):
+            assert lp.token_id == prompt[j + 1]
+            assert lp.logprob == pytest.approx(float(ref[j, prompt[j + 1]]), abs=1e-4), j
+            assert [v for _, v in lp.top] == pytest.approx(torch.topk(ref[j], 2).values.tolist(), abs=1e-4)
