@@ -76,6 +76,7 @@ class _Common(_Body):
     repetition_penalty: float = 1.0  # vLLM extension
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int = 0  # vLLM extension
+    stop_token_ids: list[int] | None = None  # vLLM extension
     speculation: SpeculationRequest | None = None
     return_token_ids: bool = False  # vLLM extension: output token ids in each choice
 
@@ -148,7 +149,7 @@ def _common_input(body: _Common, request_id: str, max_tokens: int | None, logpro
         speculation_mode=spec.mode, speculation_method=spec.method, speculation_max_k=spec.max_k,
         logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, n=body.n, logit_bias=_logit_bias(body.logit_bias),
-        min_tokens=body.min_tokens,
+        min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
     )
 
 
@@ -584,6 +585,7 @@ class Ingress:
                                                             "repetition_penalty", "n", "min_tokens", "prompt_logprobs")
                        if r.HasField(name)})
         fields["logit_bias"] = tuple(r.logit_bias.items())
+        fields["stop_token_ids"] = tuple(r.stop_token_ids)
         if spec.HasField("max_k"):
             fields["speculation_max_k"] = spec.max_k
         if which == "prompt":

@@ -313,9 +313,10 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError("logit_bias", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(name, f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     async def generate(
         self,
@@ -533,8 +534,8 @@ class Engine:
             method=method,
             detokenizer=detok,
             outputs=asyncio.Queue(),
-            row_context=(RowContext(prompt, () if params.ignore_eos else self._eos_ids) if params.processed
-                         else None),
+            row_context=(RowContext(prompt, {*params.stop_token_ids, *(() if params.ignore_eos else self._eos_ids)})
+                         if params.processed else None),
         )
 
     def _wake(self) -> None:
@@ -1004,6 +1005,9 @@ class Engine:
                 if seq.detokenizer.stopped:
                     finish = FinishReason.STOP
                     break
+            if token in seq.params.stop_token_ids:
+                finish = FinishReason.STOP
+                break
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 finish = FinishReason.LENGTH
                 break

@@ -7,7 +7,8 @@ applies them (and, for the repetition penalty, HF transformers' `repetition_pena
     frequency f:   z_j - f * c_j,                     c_j: times j occurs in the output
     presence  s:   z_j - s * [c_j > 0]
     logit bias b:  z_j + b_j                          (OpenAI's `logit_bias`)
-    min_tokens m:  z_j = -inf for the end-of-sequence ids while fewer than m tokens precede
+    min_tokens m:  z_j = -inf for the ids that would end the output (end of sequence,
+                   `stop_token_ids`) while fewer than m tokens precede
 
 (in that order; then temperature, top-k and top-p as `verifier.sampling` does). A verified
 row's context is the output so far plus the drafts on its path: row 0 follows the last

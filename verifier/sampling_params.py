@@ -19,7 +19,8 @@ class SamplingParams:
     `temperature == 0` means greedy (argmax). `top_k <= 0` and `top_p == 1` disable those
     filters. `seed` makes sampling reproducible for this request alone. `stop` strings end
     the output before the stop string (it is not included); EOS ends it unless
-    `ignore_eos`.
+    `ignore_eos`. A token of `stop_token_ids` (vLLM's) ends it too, included (its text as
+    well, unless it is a special token), whatever `ignore_eos`.
 
     `logprobs` None returns no log probabilities; N >= 0 returns, with every output token,
     its log probability and the N most likely tokens' at that position (`TokenLogprob`).
@@ -33,7 +34,7 @@ class SamplingParams:
     `repetition_penalty` (vLLM's and HF's, > 0; 1 is off) scales the logits of every token
     of the prompt or the output; `logit_bias` ((token id, bias in [-100, 100]) pairs,
     OpenAI's) adds to those tokens' logits; `min_tokens` (vLLM's) keeps the end-of-sequence
-    ids from being chosen before that many tokens (`verifier.logits_processors`).
+    ids and `stop_token_ids` from being chosen before that many tokens (`verifier.logits_processors`).
     """
 
     max_tokens: int = 16
@@ -42,6 +43,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -98,6 +100,9 @@ class SamplingParams:
         if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= self.max_tokens:
             raise InvalidRequestError("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}], "
                                                     f"got {m!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidRequestError("stop_token_ids", f"must be token ids >= 0, got {t!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")

@@ -54,6 +54,7 @@ class GenerateInput:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     speculation_mode: str = "auto"
     speculation_method: str | None = None
@@ -118,7 +119,8 @@ class VerifierServer:
             max_tokens = max(self.engine.config.max_model_len - num_prompt_tokens, 1)
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+            seed=req.seed, stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+            logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=tuple(req.logit_bias), min_tokens=req.min_tokens,

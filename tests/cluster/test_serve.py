@@ -399,6 +399,22 @@ def test_logits_processing_is_honoured_exactly_over_http_and_grpc(main_app, mode
     assert len(greedy_ids(main_app, short)) < 12
 
 
+def test_stop_token_ids_over_http_and_grpc(main_app, tokenizer, greedy, edit_conversations):
+    """vLLM's stop_token_ids: the output ends at the first of them, included, with
+    speculation on; over gRPC too."""
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(edit_conversations[0]))
+    want = greedy([prompt])[0]
+    end = want.index(want[6]) + 1
+    r = _client(main_app).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"stop_token_ids": [want[6]], "speculation": {"mode": "on"}, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want[:end] and r.choices[0].finish_reason == "stop"
+    messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+        prompt_token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, temperature=0.0,
+        stop_token_ids=[want[6]]))
+    assert [t for m in messages for t in m.token_ids] == want[:end] and messages[-1].finish_reason == "stop"
+
+
 def greedy_ids(app, conversation) -> list[int]:
     r = _client(app).chat.completions.create(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
                                              extra_body={"return_token_ids": True})
@@ -485,6 +501,8 @@ def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     ({"logit_bias": {"5": 200}}, "logit_bias"),
     ({"logit_bias": {"49152": 1}}, "logit_bias"),  # beyond the vocabulary
     ({"extra_body": {"min_tokens": 9}}, "min_tokens"),  # more than max_tokens = 8
+    ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+    ({"extra_body": {"stop_token_ids": [49152]}}, "stop_token_ids"),  # beyond the vocabulary
     ({"echo": True, "logprobs": 21}, "logprobs"),
     ({"n": 9}, "n"),  # more than the verifier's 8 slots
     ({"presence_penalty": 2.5}, "presence_penalty"),

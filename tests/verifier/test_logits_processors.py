@@ -177,3 +177,28 @@ def test_logit_bias_and_min_tokens_are_exact_under_speculation(model, tokenizer,
     assert all(len(o) >= 20 for o in plain[len(prompts):])
     chains, trees = _speculative_runs(model, tokenizer, everything, params, plain)
     assert chains == plain and trees == plain
+
+
+def test_stop_token_ids_end_the_output_exactly_under_speculation(model, tokenizer, prompts):
+    """A stop token id ends the output there, included with its text, whether decoded or
+    drafted and accepted; under min_tokens it cannot be chosen before that position."""
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    code = prompts[:2]
+    unstopped = [r.token_ids for r in Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        code, greedy)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=(u[5],)) for u in unstopped]
+    for engine in (Engine(model, tokenizer, CONFIG, None, Controller.off()),
+                   Engine(model, tokenizer, CONFIG, NgramProposer(), Controller.static(4))):
+        for r, u, p in zip(engine.generate_sync(code, params), unstopped, params):
+            end = u.index(u[5]) + 1
+            assert r.token_ids == u[:end] and r.finish_reason.value == "stop"
+            assert r.text == tokenizer.decode(u[:end], skip_special_tokens=True)
+    # min_tokens 12 keeps the stop token out of the first 12 tokens.
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=(u[5],), min_tokens=12)
+              for u in unstopped]
+    plain = Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(code, params)
+    for r, p in zip(plain, params):
+        assert len(r.token_ids) >= 12 and p.stop_token_ids[0] not in r.token_ids[:11]
+    assert [r.token_ids for r in plain] != [u[: u.index(u[5]) + 1] for u in unstopped]
+    chains, trees = _speculative_runs(model, tokenizer, code, params, [r.token_ids for r in plain])
+    assert chains == [r.token_ids for r in plain] and trees == chains
