@@ -96,6 +96,7 @@ def _logit_bias_arg(items: list[str]) -> tuple[tuple[int, float], ...]:
 def _generate(args: argparse.Namespace) -> int:
     from cluster.local import LocalEngineSpec, build_local_engine
     from verifier.sampling_params import SamplingParams
+    from verifier.server import logprob_entries
 
     if args.prompt_file is not None:
         prompt_text = pathlib.Path(args.prompt_file).read_text()
@@ -170,10 +171,7 @@ def _generate(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "tensor_parallel_size": args.tensor_parallel_size,
             "stats": summary,
-            **({} if args.logprobs is None else {"logprobs": [
-                {"token_id": lp.token_id, "token": tok.token_text(lp.token_id), "logprob": lp.logprob,
-                 "top_logprobs": [{"token_id": t, "token": tok.token_text(t), "logprob": v} for t, v in lp.top]}
-                for lp in logprobs]}),
+            **({} if args.logprobs is None else {"logprobs": logprob_entries(tok, logprobs, token_ids)}),
         }))
     else:
         print()

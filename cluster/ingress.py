@@ -186,38 +186,47 @@ def _completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str
 
 def _pb_logprob(e: dict[str, Any]) -> generate_pb2.TokenLogprob:
     return generate_pb2.TokenLogprob(token_id=e["token_id"], token=e["token"], bytes=bytes(e["bytes"]),
-                                     logprob=e["logprob"], top_logprobs=[_pb_logprob(t) for t in e.get("top_logprobs", ())])
+                                     logprob=e["logprob"],
+                                     top_logprobs=[_pb_logprob(t) for t in e.get("top_logprobs", ())])
 
 
 class _Output:
     """One output of a whole (not streamed) response, gathered from its events."""
 
-    def __init__(self, logprobs: bool, drop: bool) -> None:
+    def __init__(self, logprobs: bool) -> None:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
         self.final: dict[str, Any] | None = None
-        self.drop = drop  # echo with max_tokens 0: the prompt only
 
     def add(self, event: dict[str, Any]) -> None:
         # An echo's prompt comes first (and its logprobs, the first token's None).
-        self.text.append(event.get("prompt_text", ""))
+        self.text += [event.get("prompt_text", ""), event.get("text", "")]
+        self.token_ids.extend(event.get("token_ids", []))
         if self.logprobs is not None:
-            self.logprobs.extend(event.get("prompt_logprobs", []))
-        if not self.drop:
-            self.text.append(event.get("text", ""))
-            self.token_ids.extend(event.get("token_ids", []))
-            if self.logprobs is not None:
-                self.logprobs.extend(event.get("logprobs", []))
+            self.logprobs += [*event.get("prompt_logprobs", []), *event.get("logprobs", [])]
         if event["event"] == "final":
             self.final = event
 
 
-def _usage(finals: list[dict[str, Any]], drop: bool = False) -> dict[str, int]:
-    """A request's usage from its outputs' final events: the prompt once, every output
-    (none when they were dropped: echo with max_tokens 0)."""
+def _without_output(event: dict[str, Any]) -> dict[str, Any]:
+    """`event` with its output taken out, the prompt it may echo kept: what echo with
+    max_tokens 0 answers (one token is generated and dropped). A final event then ends
+    for `length` having counted no completion tokens."""
+    out = {**event, "text": "", "token_ids": []}
+    if "logprobs" in event:
+        out["logprobs"] = []
+    if event["event"] == "final":
+        prompt = event["usage"]["prompt_tokens"]
+        out.update(finish_reason="length",
+                   usage={"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt})
+    return out
+
+
+def _usage(finals: list[dict[str, Any]]) -> dict[str, int]:
+    """A request's usage from its outputs' final events: the prompt once, every output."""
     prompt = finals[0]["usage"]["prompt_tokens"]
-    completion = 0 if drop else sum(f["usage"]["completion_tokens"] for f in finals)
+    completion = sum(f["usage"]["completion_tokens"] for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -342,18 +351,17 @@ class Ingress:
         try:
             event = first
             while True:
-                out = outputs.setdefault(event.get("index", 0), _Output(inp.logprobs is not None, drop))
-                out.add(event)
+                out = outputs.setdefault(event.get("index", 0), _Output(inp.logprobs is not None))
+                out.add(_without_output(event) if drop else event)
                 if sum(o.final is not None for o in outputs.values()) == inp.n:
                     break
                 event = await stream.__anext__()
         finally:
             span.end()
         return JSONResponse(self._full_response(rid, [outputs[i] for i in sorted(outputs)], chat,
-                                                body.return_token_ids, drop))
+                                                body.return_token_ids))
 
-    def _full_response(self, rid: str, outputs: list["_Output"], chat: bool, token_ids: bool,
-                       drop: bool) -> dict[str, Any]:
+    def _full_response(self, rid: str, outputs: list["_Output"], chat: bool, token_ids: bool) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outputs):
             text = "".join(out.text)
@@ -363,7 +371,7 @@ class Ingress:
             else:
                 choice = {"index": i, "text": text,
                           "logprobs": None if out.logprobs is None else _completion_logprobs(out.logprobs, 0)}
-            choice["finish_reason"] = "length" if drop else out.final["finish_reason"]
+            choice["finish_reason"] = out.final["finish_reason"]
             if token_ids:
                 choice["token_ids"] = out.token_ids
             if len(outputs) > 1:  # each output's own; the response's sums them
@@ -372,7 +380,7 @@ class Ingress:
         finals = [o.final for o in outputs]
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": _usage(finals, drop),
+            "model": self.model_name, "choices": choices, "usage": _usage(finals),
             "speculation": _speculation(finals),
         }
 
@@ -407,9 +415,8 @@ class Ingress:
             i = event.get("index", 0)
             if "prompt_text" in event:  # an echo: the prompt first, as its own chunk
                 yield _sse(chunk(i, event["prompt_text"], None, logprobs=event.get("prompt_logprobs")))
-            if drop:  # echo with max_tokens 0: no output
-                event = {**event, "text": "", "token_ids": [], "logprobs": [] if "logprobs" in event else None,
-                         "finish_reason": "length"}
+            if drop:
+                event = _without_output(event)
             if event.get("text") or event.get("token_ids") or final:
                 data = chunk(i, event.get("text", ""), event["finish_reason"] if final else None,
                              logprobs=event.get("logprobs"))
@@ -423,7 +430,7 @@ class Ingress:
                 if len(finals) == n:
                     if include_usage:
                         yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                    "choices": [], "usage": _usage(finals, drop), "speculation": _speculation(finals)})
+                                    "choices": [], "usage": _usage(finals), "speculation": _speculation(finals)})
                     break
             try:
                 event = await stream.__anext__()

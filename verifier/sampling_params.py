@@ -12,6 +12,14 @@ from verifier.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are chosen and when it stops.
@@ -65,7 +73,7 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         """Raise `InvalidRequestError` naming the first bad field; return self."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+        if not _is_int(self.max_tokens):
             raise InvalidRequestError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
@@ -73,35 +81,35 @@ class SamplingParams:
             raise InvalidRequestError("temperature", f"must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+        if not _is_int(self.top_k):
             raise InvalidRequestError("top_k", f"must be an integer, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
-            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+            if n is not None and not (_is_int(n) and 0 <= n <= MAX_LOGPROBS):
                 raise InvalidRequestError(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+            if not (_is_number(value) and -2.0 <= value <= 2.0):
                 raise InvalidRequestError(name, f"must be a number in [-2, 2], got {value!r}")
         r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
+        if not (_is_number(r) and math.isfinite(r) and r > 0):
             raise InvalidRequestError("repetition_penalty", f"must be a finite number > 0, got {r!r}")
         for token, bias in self.logit_bias:
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            if not (_is_int(token) and token >= 0):
                 raise InvalidRequestError("logit_bias", f"keys must be token ids >= 0, got {token!r}")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+            if not (_is_number(bias) and -100.0 <= bias <= 100.0):
                 raise InvalidRequestError("logit_bias", f"biases must be numbers in [-100, 100], got {bias!r} "
                                                         f"for token {token}")
         m = self.min_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= self.max_tokens:
+        if not (_is_int(m) and 0 <= m <= self.max_tokens):
             raise InvalidRequestError("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}], "
                                                     f"got {m!r}")
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            if not (_is_int(t) and t >= 0):
                 raise InvalidRequestError("stop_token_ids", f"must be token ids >= 0, got {t!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:

@@ -80,6 +80,22 @@ class GenerateInput:
     trace_context: tuple[tuple[str, str], ...] = ()
 
 
+def logprob_entries(tokenizer, logprobs: Sequence[TokenLogprob | None],
+                    token_ids: Sequence[int]) -> list[dict[str, Any]]:
+    """The "logprobs" entries of events (module docstring) for `token_ids`; a None (a
+    prompt's first token) gives the token with a None logprob and no alternatives."""
+
+    def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
+        # -9999 stands for -inf, which JSON cannot carry (as vLLM does).
+        return {"token_id": token_id, "token": tokenizer.token_text(token_id),
+                "bytes": list(tokenizer.token_bytes(token_id)),
+                "logprob": None if logprob is None else max(logprob, -9999.0)}
+
+    return [{**entry(t, None), "top_logprobs": []} if lp is None else
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+            for t, lp in zip(token_ids, logprobs)]
+
+
 def _per_batch_ms(values: dict[int, float], digits: int) -> dict[int, float]:
     """A step-time term learned per batch size, in ms, by batch size."""
     return {b: round(t * 1e3, digits) for b, t in sorted(values.items())}
@@ -126,20 +142,6 @@ class VerifierServer:
             repetition_penalty=req.repetition_penalty, logit_bias=tuple(req.logit_bias), min_tokens=req.min_tokens,
         ).validate()
 
-    def _logprobs(self, logprobs: list[TokenLogprob | None], token_ids: Sequence[int]) -> list[dict[str, Any]]:
-        """Event entries for `token_ids`' logprobs; a None (a prompt's first token) gives
-        the token with a None logprob and no alternatives."""
-        tok = self.engine.tokenizer
-
-        def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
-            # -9999 stands for -inf, which JSON cannot carry (as vLLM does).
-            return {"token_id": token_id, "token": tok.token_text(token_id), "bytes": list(tok.token_bytes(token_id)),
-                    "logprob": None if logprob is None else max(logprob, -9999.0)}
-
-        return [{**entry(t, None), "top_logprobs": []} if lp is None else
-                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-                for t, lp in zip(token_ids, logprobs)]
-
     async def generate(self, req: GenerateInput) -> AsyncIterator[dict[str, Any]]:
         """Stream events for one request (see the module docstring)."""
         # Engine ids double as proposer seq_ids, shared by every verifier replica: unique.
@@ -150,23 +152,28 @@ class VerifierServer:
             params = self._params(req, len(prompt_ids))
             n, most = req.n, self.engine.config.max_num_seqs
             if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
-                raise InvalidRequestError("n", f"must be an integer in [1, {most}] (the server's max_num_seqs), got {n!r}")
+                raise InvalidRequestError("n", f"must be an integer in [1, {most}] (the server's max_num_seqs), "
+                                               f"got {n!r}")
             choices = [params] if n == 1 else [
                 dataclasses.replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
             stream = self.engine.generate_choices(prompt_ids, choices, request_id=engine_id,
                                                   max_k=req.speculation_max_k, mode=req.speculation_mode,
                                                   method=req.speculation_method, trace_context=dict(req.trace_context))
+            tok = self.engine.tokenizer
+            prompt_text = None
+            if req.echo:
+                prompt_text = req.prompt if req.prompt is not None else tok.decode(prompt_ids)
             started: set[int] = set()
             async with contextlib.aclosing(stream):
                 async for i, out in stream:
-                    extra = {} if out.logprobs is None else {"logprobs": self._logprobs(out.logprobs, out.token_ids)}
+                    extra = {} if out.logprobs is None else {"logprobs": logprob_entries(tok, out.logprobs,
+                                                                                         out.token_ids)}
                     if i not in started:  # an output's first event: the prompt, where asked
                         started.add(i)
-                        if req.echo:
-                            extra["prompt_text"] = (req.prompt if req.prompt is not None
-                                                    else self.engine.tokenizer.decode(prompt_ids))
+                        if prompt_text is not None:
+                            extra["prompt_text"] = prompt_text
                         if out.prompt_logprobs is not None:
-                            extra["prompt_logprobs"] = self._logprobs(out.prompt_logprobs, prompt_ids)
+                            extra["prompt_logprobs"] = logprob_entries(tok, out.prompt_logprobs, prompt_ids)
                     index = {} if n == 1 else {"index": i}
                     if not out.finished:
                         yield {"event": "delta", **index, "token_ids": out.token_ids, "text": out.text, **extra}
