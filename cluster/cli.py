@@ -93,6 +93,31 @@ def _logit_bias_arg(items: list[str]) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+def _structured_output_arg(args: argparse.Namespace):
+    """--json-schema / --json-object / --regex / --choice / --grammar (at most one)."""
+    from verifier.structured_output import StructuredOutput
+
+    def text(value: str, param: str) -> str:
+        if not value.startswith("@"):
+            return value
+        try:
+            return pathlib.Path(value[1:]).read_text()
+        except OSError as exc:
+            raise InvalidRequestError(param, f"cannot read {value[1:]}: {exc.strerror}") from None
+
+    if args.json_schema is not None:
+        return StructuredOutput(json=text(args.json_schema, "json_schema"), param="json_schema")
+    if args.json_object:
+        return StructuredOutput(json_object=True, param="json_object")
+    if args.regex is not None:
+        return StructuredOutput(regex=args.regex, param="regex")
+    if args.choice:
+        return StructuredOutput(choice=tuple(args.choice), param="choice")
+    if args.grammar is not None:
+        return StructuredOutput(grammar=text(args.grammar, "grammar"), param="grammar")
+    return None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from cluster.local import LocalEngineSpec, build_local_engine
     from verifier.sampling_params import SamplingParams
@@ -117,6 +142,7 @@ def _generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
         logit_bias=_logit_bias_arg(args.logit_bias),
         min_tokens=args.min_tokens,
+        structured_output=_structured_output_arg(args),
     ).validate()
     if args.logprobs is not None and not args.json:
         raise InvalidRequestError("logprobs", "are printed with --json only")
@@ -367,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS (-100 to 100) to token ID's logit (repeatable)")
     g.add_argument("--min-tokens", type=int, default=0, help="no end of sequence before this many tokens")
+    so = g.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="SCHEMA", help="the output is JSON matching SCHEMA (JSON text, or @FILE)")
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", help="the whole output matches this regular expression")
+    so.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    so.add_argument("--grammar", metavar="LARK", help="the output matches this Lark grammar (text, or @FILE)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each output token's log probability and the N most likely tokens' (0-20)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")

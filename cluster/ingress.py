@@ -30,6 +30,7 @@ from protos import trace_context
 from protos.splitspec.v1 import generate_pb2
 from verifier.sampling_params import MAX_LOGPROBS
 from verifier.server import GenerateInput
+from verifier.structured_output import StructuredOutput
 
 #: Import path of the gRPC servicer Serve's gRPC proxy registers.
 GENERATE_SERVICER = "protos.splitspec.v1.generate_pb2_grpc.add_GenerateServicer_to_server"
@@ -59,6 +60,30 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Body):
+    """vLLM's `structured_outputs`: exactly one of these (`verifier.structured_output`)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _Common(_Body):
     model: str | None = None
     max_tokens: int | None = None
@@ -78,6 +103,8 @@ class _Common(_Body):
     min_tokens: int = 0  # vLLM extension
     stop_token_ids: list[int] | None = None  # vLLM extension
     speculation: SpeculationRequest | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM extension
     return_token_ids: bool = False  # vLLM extension: output token ids in each choice
 
 
@@ -150,7 +177,26 @@ def _common_input(body: _Common, request_id: str, max_tokens: int | None, logpro
         logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, n=body.n, logit_bias=_logit_bias(body.logit_bias),
         min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
+        structured_output=_structured_output(body),
     )
+
+
+def _structured_output(body: _Common) -> StructuredOutput | None:
+    """What `response_format` or `structured_outputs` asks the output to match (one of them)."""
+    fmt, so = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.type != "text":
+        if so is not None:
+            raise ApiError(400, "structured_outputs: give it or response_format, not both", "structured_outputs")
+        if fmt.type == "json_object":
+            return StructuredOutput(json_object=True, param="response_format")
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ApiError(400, "response_format: type json_schema needs json_schema.schema", "response_format")
+        return StructuredOutput(json=json.dumps(fmt.json_schema.schema_), param="response_format")
+    if so is None:
+        return None
+    schema = so.json_ if so.json_ is None or isinstance(so.json_, str) else json.dumps(so.json_)
+    return StructuredOutput(json=schema, json_object=bool(so.json_object), regex=so.regex,
+                            choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -593,6 +639,12 @@ class Ingress:
                        if r.HasField(name)})
         fields["logit_bias"] = tuple(r.logit_bias.items())
         fields["stop_token_ids"] = tuple(r.stop_token_ids)
+        if r.HasField("structured_outputs"):
+            so, kind = r.structured_outputs, r.structured_outputs.WhichOneof("kind")
+            fields["structured_output"] = StructuredOutput(**(
+                {"choice": tuple(so.choice.choices)} if kind == "choice" else
+                {"json_object": so.json_object} if kind == "json_object" else
+                {} if kind is None else {kind: getattr(so, kind)}))
         if spec.HasField("max_k"):
             fields["speculation_max_k"] = spec.max_k
         if which == "prompt":

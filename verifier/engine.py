@@ -45,6 +45,7 @@ from verifier.controller import Controller, SequenceView, StepTimeModel, fallbac
 from verifier.observer import EngineObserver
 from verifier.rejection_sampler import greedy_accept, rejection_sample
 from verifier.logits_processors import RowContext, process_rows, row_paths
+from verifier.structured_output import GrammarCompiler, GrammarError
 from verifier.sampling import logits_to_probs, token_logprobs
 from verifier.sampling_params import SamplingParams
 from verifier.sequence import FinishReason, RequestOutput, Sequence, SequenceStats, TokenLogprob
@@ -277,6 +278,8 @@ class Engine:
         self.cache = model.new_cache(self.config.max_num_seqs, self.config.max_model_len)
         self.stats = EngineStats(accepted_per_position=[0] * self.config.max_k)
         self._eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        # Structured outputs need the tokens' bytes; a grammar ends with an EOS id.
+        self._grammars = GrammarCompiler(tokenizer, self._eos_ids) if tokenizer is not None else None
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
         self._ids = itertools.count()
@@ -317,6 +320,12 @@ class Engine:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(name, f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        spec = params.structured_output
+        if spec is not None:
+            if self._grammars is None or not self._eos_ids:
+                raise InvalidRequestError(spec.param, "needs an engine with the model's tokenizer and its "
+                                                      "end-of-sequence ids")
+            self._grammars.compile(spec)
 
     async def generate(
         self,
@@ -355,6 +364,10 @@ class Engine:
         has finished. They are admitted or refused (`OverloadedError`) together; their ids
         are `request_id`-i (just `request_id` for one). Leaving early aborts the unfinished."""
         n = len(params)
+        for spec in {p.structured_output for p in params} - {None}:
+            if self._grammars is not None and not self._grammars.is_compiled(spec):
+                # Off the loop: a large schema takes 100 ms and more (validate() then finds it).
+                await asyncio.to_thread(self._grammars.compile, spec)
         for p in params:
             self.validate(prompt_token_ids, p)
         self.validate_speculation(mode, method, max_k)
@@ -534,7 +547,9 @@ class Engine:
             method=method,
             detokenizer=detok,
             outputs=asyncio.Queue(),
-            row_context=(RowContext(prompt, {*params.stop_token_ids, *(() if params.ignore_eos else self._eos_ids)})
+            row_context=(RowContext(prompt, {*params.stop_token_ids, *(() if params.ignore_eos else self._eos_ids)},
+                                    None if params.structured_output is None else
+                                    self._grammars.matcher(params.structured_output))
                          if params.processed else None),
         )
 
@@ -996,8 +1011,15 @@ class Engine:
             seq.output_token_ids.append(token)
             new_tokens.append(token)
             if seq.row_context is not None:
-                seq.row_context.add((token,))
-            if token in self._eos_ids and not seq.params.ignore_eos:
+                try:
+                    seq.row_context.add((token,))
+                except GrammarError as exc:  # this sequence fails, not the batch
+                    logger.warning("request %s: %s", seq.request_id, exc)
+                    seq.outputs.put_nowait(exc)
+                    self._finish(seq, FinishReason.ABORT)
+                    return
+            # A complete grammar ends with an EOS id, whatever ignore_eos.
+            if token in self._eos_ids and (not seq.params.ignore_eos or seq.params.structured_output is not None):
                 finish = FinishReason.STOP
                 break
             if seq.detokenizer is not None:

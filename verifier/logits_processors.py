@@ -1,4 +1,5 @@
-"""Penalties, logit bias and min_tokens, applied to each verified row on its own context.
+"""Penalties, logit bias, min_tokens and structured outputs, applied to each verified row
+on its own context.
 
 These change the target's logits z at a position from what came before it, as vLLM
 applies them (and, for the repetition penalty, HF transformers' `repetition_penalty`):
@@ -9,6 +10,9 @@ applies them (and, for the repetition penalty, HF transformers' `repetition_pena
     logit bias b:  z_j + b_j                          (OpenAI's `logit_bias`)
     min_tokens m:  z_j = -inf for the ids that would end the output (end of sequence,
                    `stop_token_ids`) while fewer than m tokens precede
+
+    grammar:       z_j = -inf for the tokens a structured output's grammar refuses next
+                   (`verifier.structured_output`)
 
 (in that order; then temperature, top-k and top-p as `verifier.sampling` does). A verified
 row's context is the output so far plus the drafts on its path: row 0 follows the last
@@ -27,21 +31,28 @@ import numpy as np
 import torch
 
 from verifier.sampling_params import SamplingParams
+from verifier.structured_output import GrammarMatcher
 
 
 class RowContext:
     """What one sequence's processing reads: its output's token counts and length, its
-    prompt's tokens (repetition penalty) and the ids that would end it (min_tokens)."""
+    prompt's tokens (repetition penalty), the ids that would end it (min_tokens) and its
+    grammar's matcher (structured outputs)."""
 
-    def __init__(self, prompt_token_ids: Iterable[int], stop_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, prompt_token_ids: Iterable[int], stop_token_ids: Iterable[int] = (),
+                 grammar: GrammarMatcher | None = None) -> None:
         self.prompt_tokens = frozenset(prompt_token_ids)
         self.stop_token_ids = sorted(stop_token_ids)
         self.counts: collections.Counter[int] = collections.Counter()
         self.num_output = 0
+        self.grammar = grammar
 
     def add(self, token_ids: Sequence[int]) -> None:
+        """Committed output tokens."""
         self.counts.update(token_ids)
         self.num_output += len(token_ids)
+        if self.grammar is not None:
+            self.grammar.accept(token_ids)
 
 
 def process_rows(logits: torch.Tensor, params: SamplingParams, context: RowContext,
@@ -67,6 +78,8 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, context: RowConte
             row[bias_ids] += bias
         if context.num_output + len(path) < params.min_tokens and context.stop_token_ids:
             row[context.stop_token_ids] = float("-inf")
+    if context.grammar is not None:
+        context.grammar.mask_rows(logits, paths)
 
 
 def row_paths(drafts: np.ndarray, parents: np.ndarray | None) -> list[list[int]]:

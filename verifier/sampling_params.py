@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from verifier.errors import InvalidRequestError
+from verifier.structured_output import StructuredOutput
 
 #: The most alternatives a request may ask for per token (`SamplingParams.logprobs`), as
 #: vLLM's default `max_logprobs` and OpenAI's chat `top_logprobs` limit.
@@ -43,6 +44,10 @@ class SamplingParams:
     of the prompt or the output; `logit_bias` ((token id, bias in [-100, 100]) pairs,
     OpenAI's) adds to those tokens' logits; `min_tokens` (vLLM's) keeps the end-of-sequence
     ids and `stop_token_ids` from being chosen before that many tokens (`verifier.logits_processors`).
+
+    `structured_output` makes the output match a JSON schema, a regex, one of given strings
+    or a grammar (`verifier.structured_output`); it excludes `min_tokens`, which could hold
+    back the end that a complete grammar requires.
     """
 
     max_tokens: int = 16
@@ -60,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -69,7 +75,7 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether the logits are processed before acceptance (`verifier.logits_processors`)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.structured_output is not None)
 
     def validate(self) -> "SamplingParams":
         """Raise `InvalidRequestError` naming the first bad field; return self."""
@@ -114,4 +120,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")
+        if self.structured_output is not None:
+            self.structured_output.validate()
+            if m:
+                raise InvalidRequestError("min_tokens", f"cannot be combined with {self.structured_output.param}: "
+                                                        "a complete grammar allows only the end of the output")
         return self

@@ -35,6 +35,7 @@ from verifier.engine import Engine
 from verifier.errors import InvalidRequestError, OverloadedError
 from verifier.sampling_params import SamplingParams
 from verifier.sequence import TokenLogprob
+from verifier.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class GenerateInput:
     #: None, or N: each output's first event carries "prompt_logprobs", one entry per
     #: prompt token (the first's logprob None), as "logprobs" are.
     prompt_logprobs: int | None = None
+    #: What the output must match (`verifier.structured_output`); None: free text.
+    structured_output: StructuredOutput | None = None
     #: W3C Trace Context of the caller's span ({"traceparent": ...}): the request's spans
     #: continue that trace (`protos.trace_context`). Empty = the current context.
     trace_context: tuple[tuple[str, str], ...] = ()
@@ -140,6 +143,7 @@ class VerifierServer:
             prompt_logprobs=req.prompt_logprobs,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=tuple(req.logit_bias), min_tokens=req.min_tokens,
+            structured_output=req.structured_output,
         ).validate()
 
     async def generate(self, req: GenerateInput) -> AsyncIterator[dict[str, Any]]:

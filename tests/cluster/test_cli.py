@@ -136,12 +136,29 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--repetition-penalty", "0"], "repetition_penalty"),
         (["--prompt", "hi", "--logit-bias", "198"], "logit_bias"),
         (["--prompt", "hi", "--max-tokens", "4", "--min-tokens", "5"], "min_tokens"),
+        (["--prompt", "hi", "--regex", "(ab"], "regex"),
+        (["--prompt", "hi", "--grammar", "@no-such-file.lark"], "grammar"),
+        (["--prompt", "hi", "--json-schema", "{not json"], "json_schema"),
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field):
     proc = splitspec("generate", *args, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: {field}: "), proc.stderr
+
+
+def test_generate_follows_a_json_schema(tmp_path):
+    schema = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+              "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(schema))
+    proc = splitspec("generate", "--prompt", "Alice Martin is 34. Reply with her name and age in JSON.", "--chat",
+                     "--json-schema", f"@{path}", "--speculation", "ngram", "--max-tokens", "40", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    person = json.loads(out["text"])
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
+    assert out["finish_reason"] == "stop"
 
 
 def test_prompt_longer_than_context_is_refused():

@@ -415,6 +415,60 @@ def test_stop_token_ids_over_http_and_grpc(main_app, tokenizer, greedy, edit_con
     assert [t for m in messages for t in m.token_ids] == want[:end] and messages[-1].finish_reason == "stop"
 
 
+def test_structured_outputs_over_http_and_grpc(main_app, model, tokenizer):
+    """OpenAI's response_format (a JSON schema, streamed too) and vLLM's structured_outputs
+    (choice, regex) over HTTP, and structured_outputs over gRPC, with speculation on: the
+    local engine's plain constrained decoding (tests/verifier/test_structured_output.py
+    checks it against HF transformers) and outputs that match."""
+    import jsonschema
+
+    from verifier.controller import Controller
+    from verifier.engine import Engine, EngineConfig
+    from verifier.sampling_params import SamplingParams
+    from verifier.structured_output import StructuredOutput
+
+    person = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    phone = r"\(\d{3}\) \d{3}-\d{4}"
+    conversations = [[{"role": "user", "content": f"Reply with JSON: name and age. {text}"}] for text in
+                     ("Alice Martin is 34 and lives in Lyon.", "Tom Martin, 31, lives in Paris.")]
+    conversations.append([{"role": "user", "content": "Is Lyon in France? Answer yes or no."}])
+    conversations.append([{"role": "user", "content": "Write the phone number of the Lyon office."}])
+    specs = [StructuredOutput(json=json.dumps(person))] * 2 + [StructuredOutput(choice=("yes", "no")),
+                                                               StructuredOutput(regex=phone)]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in conversations]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=1024), None, Controller.off())
+    want = [r.token_ids for r in engine.generate_sync(
+        prompts, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_output=s) for s in specs])]
+    client = _client(main_app)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}}
+    extra = {"speculation": {"mode": "on"}, "return_token_ids": True}
+    r = client.chat.completions.create(model=MODEL, messages=conversations[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       response_format=fmt, extra_body=extra)
+    assert r.choices[0].model_extra["token_ids"] == want[0] and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), person)
+    assert r.model_extra["speculation"]["drafted"] > 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=conversations[1], max_tokens=MAX_TOKENS,
+                                                 temperature=0, response_format=fmt, stream=True, extra_body=extra))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == _text(tokenizer, want[1])
+    jsonschema.validate(json.loads(text), person)
+    for conversation, spec, expected in zip(conversations[2:], specs[2:], want[2:]):
+        so = {"choice": list(spec.choice)} if spec.choice else {"regex": spec.regex}
+        r = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={**extra, "structured_outputs": so})
+        assert r.choices[0].model_extra["token_ids"] == expected
+        content = r.choices[0].message.content
+        assert content in spec.choice if spec.choice else re.fullmatch(phone, content), content
+    grpc_specs = [generate_pb2.StructuredOutputs(json=json.dumps(person)),
+                  generate_pb2.StructuredOutputs(choice=generate_pb2.Choices(choices=["yes", "no"]))]
+    for prompt, so, expected in zip(prompts[1:3], grpc_specs, want[1:3]):
+        messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+            prompt_token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, temperature=0.0,
+            speculation=generate_pb2.Speculation(mode="on"), structured_outputs=so))
+        assert [t for m in messages for t in m.token_ids] == expected and messages[-1].finish_reason == "stop"
+
+
 def greedy_ids(app, conversation) -> list[int]:
     r = _client(app).chat.completions.create(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
                                              extra_body={"return_token_ids": True})
@@ -509,6 +563,15 @@ def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"logprobs": -1}, "logprobs"),
+    ({"extra_body": {"structured_outputs": {"regex": "(ab"}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"json": {"type": "foo"}}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"grammar": "start: nowhere"}}}, "structured_outputs"),
+    ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format"),
+    ({"extra_body": {"response_format": {"type": "xml"}}}, "response_format"),
+    ({"extra_body": {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}},
+     "structured_outputs"),
+    ({"extra_body": {"response_format": {"type": "json_object"}, "min_tokens": 2}}, "min_tokens"),
 ])
 def test_bad_input_is_400_naming_the_field(main_app, kwargs, param):
     client = _client(main_app, max_retries=0)
@@ -549,6 +612,11 @@ def test_grpc_bad_input_is_invalid_argument(main_app):
         _grpc_generate(main_app, generate_pb2.GenerateRequest(prompt="Hi", logprobs=21))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("logprobs")
+    for so in (generate_pb2.StructuredOutputs(regex="(ab"), generate_pb2.StructuredOutputs()):
+        with pytest.raises(grpc.RpcError) as info:
+            _grpc_generate(main_app, generate_pb2.GenerateRequest(prompt="Hi", structured_outputs=so))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("structured_outputs")
 
 
 # ---------------------------------------------------------------------- overload, disconnect
