@@ -17,8 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from cluster.local import OFF
-    from proposers.registry import PROPOSERS
+    from proposers.registry import OFF, PROPOSERS
 
     p.add_argument("--model", default=None, help="a .gguf file or HF checkpoint directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: from the model)")
@@ -45,7 +44,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _fallback_arg(args: argparse.Namespace) -> str | None:
     """`--fallback`, checked against `--speculation`; InvalidRequestError naming it otherwise."""
-    from cluster.local import OFF
+    from proposers.registry import OFF
 
     if args.fallback is not None and (args.speculation == OFF or args.k == 0):
         raise InvalidRequestError("fallback", "is asked where the --speculation method has no draft; "
@@ -119,9 +118,7 @@ def _structured_output_arg(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from cluster.local import LocalEngineSpec, build_local_engine
     from verifier.sampling_params import SamplingParams
-    from verifier.server import logprob_entries
 
     if args.prompt_file is not None:
         prompt_text = pathlib.Path(args.prompt_file).read_text()
@@ -152,6 +149,10 @@ def _generate(args: argparse.Namespace) -> int:
         raise InvalidRequestError("tensor_parallel_size", f"must be >= 1, got {args.tensor_parallel_size}")
     fallback = _fallback_arg(args)
     tree = _tree_arg(args)
+    # torch and the engine only once the arguments are known good: a bad one exits at once.
+    from cluster.local import LocalEngineSpec, build_local_engine
+    from verifier.server import logprob_entries
+
     engine = build_local_engine(LocalEngineSpec(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
         fallback=fallback, k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree,

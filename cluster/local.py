@@ -8,7 +8,7 @@ from typing import Mapping
 
 from cluster.config import SplitspecConfig, VerifierConfig
 from protos.proposal import ProposalSource
-from proposers.registry import build_proposer
+from proposers.registry import OFF, build_proposer  # noqa: F401 (OFF re-exported)
 from verifier.engine import Engine, EngineConfig
 from verifier.models.llama import LlamaModel
 from verifier.models.loader import load_model_and_tokenizer, load_tokenizer  # noqa: F401 (re-exported)
@@ -17,9 +17,6 @@ from verifier.models.tokenizer import Tokenizer
 from verifier.models.vocab import VocabFingerprint, incompatibility
 from verifier.controller import Controller
 from verifier.observer import EngineObserver
-
-#: Speculation method that means "no proposer".
-OFF = "off"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,6 +124,9 @@ def hidden_state_layers(method: str, options: dict[str, Any] | None, target_laye
 #: Methods whose proposers draft token trees (option `tree`, `DraftModelConfig.tree`).
 DRAFTS_TREES = frozenset({"draft", "eagle"})
 
+#: Speculation method that means "no proposer".
+OFF = "off"
+
 
 def build_proposer(method: str, options: dict[str, Any] | None = None) -> ProposalSource:
     """Build a registered proposer; unknown names raise `ValueError` listing the known ones."""

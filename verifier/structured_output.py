@@ -26,12 +26,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
-import torch
 
 from verifier.errors import InvalidRequestError, SplitspecError
+
+if TYPE_CHECKING:
+    import torch
 
 #: Compiled grammars kept per engine (a schema compiles in about a millisecond; a large
 #: one can take 100 ms and more, so repeated requests should not pay it again).

@@ -79,16 +79,19 @@ def prompts(tokenizer):
 
 
 def _reference(hf_model, tokenizer, prompt: list[int], adjust) -> list[int]:
-    """Greedy decoding over HF's logits, each step's adjusted by `adjust(logits, output)`."""
+    """Greedy decoding over HF's logits (with its KV cache, as its `generate`), each step's
+    adjusted by `adjust(logits, output)`."""
     out: list[int] = []
     with torch.inference_mode():
+        step = hf_model(torch.tensor([prompt]), use_cache=True)
         for _ in range(MAX_TOKENS):
-            logits = hf_model(torch.tensor([prompt + out])).logits[0, -1].float()
+            logits = step.logits[0, -1].float()
             adjust(logits, out)
             token = int(logits.argmax())
             out.append(token)
             if token in tokenizer.eos_token_ids:
                 break
+            step = hf_model(torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
     return out
 
 
