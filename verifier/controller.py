@@ -133,6 +133,7 @@ REASONS = (
     "batch_table",
     "goodput",
     "probe",  # a cheap periodic draft to re-measure an off sequence or an unused method
+    "grammar_forced",  # the tokens a structured output's grammar forces next, drafted without a proposer (engine)
 )
 
 #: What the method-wide acceptance estimate counts as, in observations, in a new sequence's

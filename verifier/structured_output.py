@@ -185,6 +185,12 @@ class GrammarMatcher:
         """Whether the grammar is complete: only an end-of-sequence id may follow."""
         return self._matcher.is_stopped()
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens: the
+        tokenization of the bytes no other continuation allows, stopped where the next
+        token could merge with what follows), e.g. a JSON key's after its opening quote."""
+        return [] if self._matcher.is_error() else self._matcher.compute_ff_tokens()
+
     def allowed(self) -> np.ndarray:
         """bool [V]: the tokens the grammar allows next."""
         bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")

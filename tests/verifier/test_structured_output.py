@@ -257,3 +257,26 @@ def test_a_failed_matcher_ends_its_own_sequence_alone(model, tokenizer, cases):
     assert isinstance(error, GrammarError) and "grammar failed" in str(error) and failed == []
     assert none is None and fine == engine.generate_sync([other], _params(cases[2:]))[0].token_ids
     assert engine.cache.num_used_slots == 0
+
+
+@pytest.mark.slow
+def test_forced_tokens_are_drafted_and_stay_exact(model, tokenizer):
+    """Without a proposer, a round drafts what the grammar forces: a JSON schema's long
+    keys and enum values. The output is plain decoding's, in fewer passes; with the
+    request's speculation off, or the policy off, nothing is drafted."""
+    order = {"type": "object", "additionalProperties": False,
+             "required": ["customer_full_name", "customer_postal_address", "order_status"],
+             "properties": {"customer_full_name": {"type": "string"}, "customer_postal_address": {"type": "string"},
+                            "order_status": {"enum": ["awaiting_payment", "shipped_to_customer"]}}}
+    prompt = _chat(tokenizer, "Reply with JSON for this order: Ann Lee of 1 Main Street, Springfield ordered a lamp; "
+                              "it has shipped.")
+    params = SamplingParams(max_tokens=64, temperature=0.0, structured_output=StructuredOutput(json=json.dumps(order)))
+    plain = Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync([prompt], params)[0]
+    jsonschema.validate(json.loads(plain.text), order)
+    engine = Engine(model, tokenizer, CONFIG, None, Controller.static(4))
+    forced = engine.generate_sync([prompt], params)[0]
+    assert forced.token_ids == plain.token_ids
+    assert forced.stats.rounds_by_method.get("grammar", 0) >= 3  # a key or value each
+    assert forced.stats.accepted >= 8 and forced.stats.rounds <= plain.stats.rounds - 8
+    off = engine.generate_sync([prompt], params, mode="off")[0]
+    assert off.token_ids == plain.token_ids and off.stats.drafted == 0
