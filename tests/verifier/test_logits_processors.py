@@ -78,13 +78,13 @@ def prompts(tokenizer):
     return load_prompts("code_edit", tokenizer)[:2] + load_prompts("chat", tokenizer)[:2]
 
 
-def _reference(hf_model, tokenizer, prompt: list[int], adjust) -> list[int]:
+def _reference(hf_model, tokenizer, prompt: list[int], adjust, max_tokens: int = MAX_TOKENS) -> list[int]:
     """Greedy decoding over HF's logits (with its KV cache, as its `generate`), each step's
     adjusted by `adjust(logits, output)`."""
     out: list[int] = []
     with torch.inference_mode():
         step = hf_model(torch.tensor([prompt]), use_cache=True)
-        for _ in range(MAX_TOKENS):
+        for _ in range(max_tokens):
             logits = step.logits[0, -1].float()
             adjust(logits, out)
             token = int(logits.argmax())

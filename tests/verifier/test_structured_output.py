@@ -18,6 +18,7 @@ import torch
 
 from proposers.ngram import NgramProposer
 from tests.verifier.test_logits_processors import CONFIG, _speculative_runs
+from tests.verifier.test_logits_processors import _reference as decoding_loop  # HF's greedy loop, adjusted
 from verifier.controller import Controller
 from verifier.engine import Engine
 from verifier.errors import InvalidRequestError
@@ -140,27 +141,21 @@ def _params(cases, **kw) -> list[SamplingParams]:
 
 
 def _reference(hf_model, tokenizer, prompt: list[int], spec: StructuredOutput, max_tokens: int) -> list[int]:
-    """Greedy decoding over HF's logits (with its KV cache, as its `generate`), each step
-    masked by a matcher built here."""
+    """Greedy decoding over HF's logits, each step masked by a matcher built here from
+    the output so far."""
     import llguidance
 
-    eos = sorted(tokenizer.eos_token_ids)
-    lltok = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+    lltok = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size,
+                                   eos_token=sorted(tokenizer.eos_token_ids))
     matcher = llguidance.LLMatcher(lltok, spec.source())
-    out: list[int] = []
-    with torch.inference_mode():
-        step = hf_model(torch.tensor([prompt]), use_cache=True)
-        for _ in range(max_tokens):
-            logits = step.logits[0, -1].float()
-            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
-            logits[torch.from_numpy(bits[: tokenizer.vocab_size] == 0)] = float("-inf")
-            token = int(logits.argmax())
-            out.append(token)
-            assert matcher.consume_token(token)
-            if token in eos:
-                break
-            step = hf_model(torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
-    return out
+
+    def mask(logits, out):
+        if out:
+            assert matcher.consume_token(out[-1])
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+        logits[torch.from_numpy(bits[: tokenizer.vocab_size] == 0)] = float("-inf")
+
+    return decoding_loop(hf_model, tokenizer, prompt, mask, max_tokens)
 
 
 @pytest.mark.slow
