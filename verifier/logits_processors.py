@@ -63,8 +63,11 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, context: RowConte
     r, f, s = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
     bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
     bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+    penalised = r != 1.0 or f or s
     for i, path in enumerate(paths):
-        counts = context.counts + collections.Counter(path) if path else context.counts
+        # The output's counts with the path's drafts: a copy per row, so only for the penalties
+        # (a request with a grammar alone, say, reads none of it).
+        counts = context.counts + collections.Counter(path) if path and penalised else context.counts
         row = logits[i]
         if r != 1.0:
             seen = torch.tensor(sorted(context.prompt_tokens | counts.keys()), dtype=torch.int64)
