@@ -26,8 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from cluster.tool_calls import CallDeltas, Calls, call_finish_reason, message_calls, tool_choice_output
 from protos import trace_context
 from protos.splitspec.v1 import generate_pb2
+from verifier.errors import InvalidRequestError
 from verifier.sampling_params import MAX_LOGPROBS
 from verifier.server import GenerateInput
 from verifier.structured_output import StructuredOutput
@@ -116,9 +118,48 @@ class CompletionBody(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Body):
+    """A call an assistant message made (sent back with the conversation)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
-    content: str | list[dict[str, Any]]
+    #: None only for an assistant message (one that made tool calls).
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # role assistant
+    tool_call_id: str | None = None  # role tool: the call this message answers
+    name: str | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    #: A JSON schema of the arguments (an object); none: the function takes no arguments.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionBody(_Common):
@@ -126,6 +167,73 @@ class ChatCompletionBody(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    tools: list[Tool] | None = None
+    #: Default: "auto" when tools are given (refused: no tool-call parser), else "none".
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    #: False: "required" makes one call, not one or more.
+    parallel_tool_calls: bool = True
+
+
+def _chat_messages(body: ChatCompletionBody) -> tuple[dict[str, Any], ...]:
+    """The conversation as the chat template reads it (as transformers and vLLM hand it
+    over: no content is "", a call's arguments are an object where they parse as one)."""
+    messages = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if content is None:
+            if m.role != "assistant":
+                raise ApiError(400, f"messages.{i}.content: required for role {m.role!r}", f"messages.{i}.content")
+            content = ""
+        elif isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if any(part.get("type") != "text" for part in content):
+                raise ApiError(400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content")
+            content = "".join(str(part.get("text", "")) for part in content)
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        if m.tool_calls is not None:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    return tuple(messages)
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _tool_calls(body: ChatCompletionBody, structured_output: StructuredOutput | None,
+                ) -> tuple[Calls | None, StructuredOutput | None]:
+    """What `tools` and `tool_choice` ask of the output: the calls it is read as (None:
+    text) and what it must match, with `structured_output` (the response_format's)."""
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+    if choice == "none":
+        return None, structured_output
+    if not body.tools:
+        raise ApiError(400, "tool_choice: needs tools to choose from", "tool_choice")
+    if choice == "auto":
+        raise ApiError(400, 'tool_choice: "auto" (the default with tools) needs a tool-call parser for the model, '
+                            'and splitspec has none; ask for "required", a named function or "none"', "tool_choice")
+    if structured_output is not None:
+        raise ApiError(400, "tool_choice: a tool call cannot also follow response_format or structured_outputs",
+                       "tool_choice")
+    functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
+    if choice == "required":
+        try:
+            return Calls(None), tool_choice_output(functions, "required", body.parallel_tool_calls)
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc), exc.param) from None
+    names = [f["name"] for f in functions]
+    if choice.function.name not in names:
+        raise ApiError(400, f"tool_choice: function {choice.function.name!r} is not among the tools {names}",
+                       "tool_choice")
+    return Calls(choice.function.name), tool_choice_output(functions, choice.model_dump())
 
 
 class ApiError(Exception):
@@ -160,7 +268,7 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         loc = [str(x) for x in e["loc"]]
         # Nested objects keep their path (speculation.max_k, messages.0.role); union
         # branches pydantic adds to the location (prompt.list[int]) are dropped.
-        depth = {"speculation": 2, "stream_options": 2, "messages": 3}.get(loc[0] if loc else "", 1)
+        depth = {"speculation": 2, "stream_options": 2, "messages": 3, "tools": 4}.get(loc[0] if loc else "", 1)
         param = ".".join(loc[:depth]) or "body"
         raise ApiError(400, f"{param}: {e['msg']} (given: {e.get('input')!r})", param) from None
 
@@ -374,8 +482,10 @@ class Ingress:
             raise _error_from_event(first)
         return first, stream
 
-    async def _run(self, body: _Common, inp: GenerateInput, chat: bool, drop: bool = False):
-        """`drop`: echo with max_tokens 0, so the response holds the prompt and no output."""
+    async def _run(self, body: _Common, inp: GenerateInput, chat: bool, drop: bool = False,
+                   calls: Calls | None = None):
+        """`drop`: echo with max_tokens 0, so the response holds the prompt and no output.
+        `calls`: the output is read as tool calls."""
         rid = inp.request_id
         span = tracer.start_span("splitspec.ingress", attributes={
             "splitspec.api": "chat.completions" if chat else "completions", "splitspec.request_id": rid,
@@ -391,7 +501,7 @@ class Ingress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 _ending(span, self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids, inp.n,
-                                               drop)),
+                                               drop, calls)),
                 media_type="text/event-stream")
         outputs: dict[int, _Output] = {}
         try:
@@ -405,19 +515,23 @@ class Ingress:
         finally:
             span.end()
         return JSONResponse(self._full_response(rid, [outputs[i] for i in sorted(outputs)], chat,
-                                                body.return_token_ids))
+                                                body.return_token_ids, calls))
 
-    def _full_response(self, rid: str, outputs: list["_Output"], chat: bool, token_ids: bool) -> dict[str, Any]:
+    def _full_response(self, rid: str, outputs: list["_Output"], chat: bool, token_ids: bool,
+                       calls: Calls | None = None) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outputs):
             text = "".join(out.text)
             if chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if calls is not None:  # OpenAI's calls have no content
+                    message.update(content=None, tool_calls=message_calls(calls, text))
+                choice = {"index": i, "message": message,
                           "logprobs": None if out.logprobs is None else _chat_logprobs(out.logprobs)}
             else:
                 choice = {"index": i, "text": text,
                           "logprobs": None if out.logprobs is None else _completion_logprobs(out.logprobs, 0)}
-            choice["finish_reason"] = out.final["finish_reason"]
+            choice["finish_reason"] = call_finish_reason(calls, out.final["finish_reason"])
             if token_ids:
                 choice["token_ids"] = out.token_ids
             if len(outputs) > 1:  # each output's own; the response's sums them
@@ -431,16 +545,22 @@ class Ingress:
         }
 
     async def _sse_stream(self, rid: str, first: dict[str, Any], stream, chat: bool,
-                          include_usage: bool, token_ids: bool, n: int, drop: bool) -> AsyncIterator[str]:
+                          include_usage: bool, token_ids: bool, n: int, drop: bool,
+                          calls: Calls | None = None) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         text_offset = [0] * n  # the completions API's, per output: characters of tokens streamed so far
+        call_deltas = [CallDeltas(calls) for _ in range(n)] if calls is not None else None
 
         def chunk(i: int, text: str | None, finish: str | None, role: bool = False,
                   logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                if text is not None:
+                if call_deltas is not None and not role:
+                    tool_calls = call_deltas[i](text or "", finish is not None)
+                    if tool_calls:
+                        delta["tool_calls"] = tool_calls
+                elif text is not None:
                     delta["content"] = text
                 choice = {"index": i, "delta": delta,
                           "logprobs": None if logprobs is None else _chat_logprobs(logprobs), "finish_reason": finish}
@@ -464,8 +584,8 @@ class Ingress:
             if drop:
                 event = _without_output(event)
             if event.get("text") or event.get("token_ids") or final:
-                data = chunk(i, event.get("text", ""), event["finish_reason"] if final else None,
-                             logprobs=event.get("logprobs"))
+                finish = call_finish_reason(calls, event["finish_reason"]) if final else None
+                data = chunk(i, event.get("text", ""), finish, logprobs=event.get("logprobs"))
                 if token_ids:
                     data["choices"][0]["token_ids"] = event.get("token_ids", [])
                 if final:
@@ -550,23 +670,19 @@ class Ingress:
         try:
             body = _parse(ChatCompletionBody, await _json(request))
             self._check_model(body.model)
-            messages = []
-            for i, m in enumerate(body.messages):
-                content = m.content
-                if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                    if any(part.get("type") != "text" for part in content):
-                        raise ApiError(400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content")
-                    content = "".join(str(part.get("text", "")) for part in content)
-                messages.append({"role": m.role, "content": content})
+            messages = _chat_messages(body)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             if body.top_logprobs is not None and not body.logprobs:
                 raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            inp = GenerateInput(messages=tuple(messages), **_common_input(body, rid, max_tokens, logprobs))
+            common = _common_input(body, rid, max_tokens, logprobs)
+            calls, common["structured_output"] = _tool_calls(body, common["structured_output"])
+            tools = None if body.tools is None else tuple(t.model_dump(exclude_none=True) for t in body.tools)
+            inp = GenerateInput(messages=messages, tools=tools, **common)
         except ApiError as exc:
             return exc.response()
-        return await self._run(body, inp, chat=True)
+        return await self._run(body, inp, chat=True, calls=calls)
 
     # ------------------------------------------------------------------ gRPC
     async def Generate(self, request: generate_pb2.GenerateRequest, grpc_context=None):

@@ -48,6 +48,9 @@ class GenerateInput:
     request_id: str = ""
     prompt: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
+    #: OpenAI tool definitions the chat template renders with `messages` (the calls
+    #: themselves are a `structured_output`: `cluster.tool_calls`).
+    tools: tuple[dict[str, Any], ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -126,7 +129,8 @@ class VerifierServer:
             for i, m in enumerate(req.messages):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise InvalidRequestError(f"messages[{i}]", "needs a string 'role' and a string 'content'")
-            text = tok.apply_chat_template([dict(m) for m in req.messages], add_generation_prompt=True)
+            text = tok.apply_chat_template([dict(m) for m in req.messages], add_generation_prompt=True,
+                                           tools=None if req.tools is None else list(req.tools))
             return tok.encode(text)
         if not req.prompt:
             raise InvalidRequestError("prompt", "must not be empty")

@@ -469,6 +469,126 @@ def test_structured_outputs_over_http_and_grpc(main_app, model, tokenizer):
         assert [t for m in messages for t in m.token_ids] == expected and messages[-1].finish_reason == "stop"
 
 
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["location", "unit"],
+           "properties": {"location": {"type": "string"},
+                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
+ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+
+
+def _streamed_calls(chunks) -> tuple[list[dict], str]:
+    """The tool calls a chat stream's deltas make up (each call's fragments joined by
+    its index; the id, type and name come once, first), and its finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            assert not choice.delta.content, choice.delta
+            for d in choice.delta.tool_calls or []:
+                if d.index not in calls:
+                    assert d.id.startswith("chatcmpl-tool-") and d.type == "function" and d.function.name, d
+                    calls[d.index] = {"name": d.function.name, "arguments": ""}
+                else:
+                    assert d.id is None and d.function.name is None, d
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_tool_calls_named_and_required_over_http(main_app, model, tokenizer, greedy):
+    """tools with a named tool_choice: the call's arguments are the local engine's plain
+    decoding under the function's parameters schema; with "required": under a schema
+    written here by hand (an array of {name, parameters} objects, one branch per tool),
+    read back into calls by json.loads here. Whole and streamed, speculation on.
+    SmolLM2's template ignores tools, so the prompt is the conversation's alone."""
+    import jsonschema
+
+    from verifier.controller import Controller
+    from verifier.engine import Engine, EngineConfig
+    from verifier.sampling_params import SamplingParams
+    from verifier.structured_output import StructuredOutput
+
+    def call(name, parameters):
+        return {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
+                "required": ["name", "parameters"], "additionalProperties": False}
+
+    required = {"type": "array", "minItems": 1,
+                "items": {"type": "object", "anyOf": [call("get_weather", WEATHER), call("add", ADD)]}}
+    weather_chat = [{"role": "user", "content": "What is the weather in Lyon, in celsius?"}]
+    add_chat = [{"role": "user", "content": "What is 12 plus 30? Call the add function."}]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in (weather_chat, add_chat)]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=1024), None, Controller.off())
+    named, = engine.generate_sync(prompts[:1], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, structured_output=StructuredOutput(json=json.dumps(WEATHER))))
+    cut, whole = engine.generate_sync(prompts, SamplingParams(
+        max_tokens=48, temperature=0.0, structured_output=StructuredOutput(json=json.dumps(required))))
+    one, = engine.generate_sync(prompts[:1], SamplingParams(max_tokens=48, temperature=0.0, structured_output=(
+        StructuredOutput(json=json.dumps({**required, "maxItems": 1})))))
+    client = _client(main_app)
+    extra = {"speculation": {"mode": "on"}, "return_token_ids": True}
+    common = dict(model=MODEL, tools=TOOLS, temperature=0, extra_body=extra)
+
+    # A named function: one call, its arguments the text; OpenAI ends it with "stop".
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(messages=weather_chat, max_tokens=MAX_TOKENS, tool_choice=choice, **common)
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == named.token_ids and c.finish_reason == "stop"
+    assert c.message.content is None and len(c.message.tool_calls) == 1
+    tc = c.message.tool_calls[0]
+    assert tc.id.startswith("chatcmpl-tool-") and tc.type == "function" and tc.function.name == "get_weather"
+    assert tc.function.arguments == _text(tokenizer, named.token_ids)
+    jsonschema.validate(json.loads(tc.function.arguments), WEATHER)
+    assert r.usage.prompt_tokens == len(prompts[0]) and r.model_extra["speculation"]["drafted"] > 0
+    calls, finish = _streamed_calls(client.chat.completions.create(
+        messages=weather_chat, max_tokens=MAX_TOKENS, tool_choice=choice, stream=True, **common))
+    assert calls == [{"name": "get_weather", "arguments": tc.function.arguments}] and finish == "stop"
+
+    # "required": the calls of the array; one cut short by max_tokens is left out.
+    for conversation, out in ((weather_chat, cut), (add_chat, whole)):
+        text = _text(tokenizer, out.token_ids)
+        if out.finish_reason.value == "stop":
+            want, finish_want = json.loads(text), "tool_calls"
+        else:  # the calls before the last ", {" of the array
+            want, finish_want = json.loads(text[:text.rindex("{")].rstrip().removesuffix(",") + "]"), "length"
+        assert want, text
+        r = client.chat.completions.create(messages=conversation, max_tokens=48, tool_choice="required", **common)
+        c = r.choices[0]
+        assert c.model_extra["token_ids"] == out.token_ids and c.finish_reason == finish_want
+        got = [{"name": t.function.name, "parameters": json.loads(t.function.arguments)}
+               for t in c.message.tool_calls]
+        assert got == want and c.message.content is None
+        assert len({t.id for t in c.message.tool_calls}) == len(got)
+        calls, finish = _streamed_calls(client.chat.completions.create(
+            messages=conversation, max_tokens=48, tool_choice="required", stream=True, **common))
+        assert [{"name": x["name"], "parameters": json.loads(x["arguments"])} for x in calls] == want
+        assert finish == finish_want
+    for call_ in got:
+        jsonschema.validate(call_["parameters"], ADD)
+    # parallel_tool_calls false: one call, where the weather answer went on to a second.
+    r = client.chat.completions.create(messages=weather_chat, max_tokens=48, tool_choice="required",
+                                       parallel_tool_calls=False, **common)
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == one.token_ids and c.finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+        (x["name"], x["parameters"]) for x in json.loads(_text(tokenizer, one.token_ids))]
+    assert len(c.message.tool_calls) == 1
+
+    # "none": text, as without tools; a conversation that carries a call and its result
+    # (an assistant message without content) renders as the template renders it.
+    r = client.chat.completions.create(messages=add_chat, max_tokens=4, tool_choice="none", **common)
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].model_extra["token_ids"] == greedy(prompts[1:], 4)[0]
+    made = {"id": "call-1", "type": "function", "function": {"name": "add", "arguments": '{"a": 12, "b": 30}'}}
+    history = [*add_chat, {"role": "assistant", "content": None, "tool_calls": [made]},
+               {"role": "tool", "tool_call_id": "call-1", "content": "42"}]
+    r = client.chat.completions.create(messages=history, max_tokens=1, model=MODEL)
+    rendered = [*add_chat, {"role": "assistant", "content": ""}, {"role": "tool", "content": "42"}]
+    assert r.usage.prompt_tokens == len(tokenizer.encode(tokenizer.apply_chat_template(rendered)))
+
+
 def greedy_ids(app, conversation) -> list[int]:
     r = _client(app).chat.completions.create(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
                                              extra_body={"return_token_ids": True})
@@ -581,6 +701,32 @@ def test_bad_input_is_400_naming_the_field(main_app, kwargs, param):
     error = info.value.body
     assert error["param"] == param, error
     assert error["message"].startswith(param), error
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: no tool-call parser
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}], "tool_choice": "required"}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}], "tool_choice": "required"},
+     "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "$defs": {"X": {"type": t}}}}}
+        for n, t in (("f", "string"), ("g", "integer"))], "tool_choice": "required"}, "tools"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+])
+def test_bad_tool_calls_are_400_naming_the_field(main_app, kwargs, param):
+    client = _client(main_app, max_retries=0)
+    args = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**args)
+    error = info.value.body
+    assert error["param"] == param and error["message"].startswith(param), error
 
 
 def test_bad_chat_input_and_bad_json(main_app):

@@ -164,6 +164,36 @@ def test_chat_template_errors(tok: Tokenizer) -> None:
     sandboxed = with_template("{{ messages.append(1) }}")
     with pytest.raises(InvalidRequestError, match="chat template failed"):
         sandboxed.apply_chat_template([])
+    # SmolLM2's template adds the content to a string: a 400, not a server error.
+    with pytest.raises(InvalidRequestError, match="chat template failed: TypeError"):
+        tok.apply_chat_template([{"role": "assistant", "content": None}])
+
+
+TOOLS_TEMPLATE = (
+    "{% for t in tools or [] %}{{ t.function.name }}: {{ t.function.parameters | tojson }}\n{% endfor %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+    "{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\n{% endfor %}"
+)
+
+
+@pytest.mark.slow
+def test_tools_reach_the_template_as_hf_passes_them(tok: Tokenizer, hf_reference) -> None:
+    tools = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    messages = [{"role": "user", "content": "12 + 30?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 30}}}]},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    ours = Tokenizer(tok.backend, vocab_size=tok.vocab_size, bos_token_id=1, eos_token_ids=frozenset({2}),
+                     bos_token="<|im_start|>", eos_token="<|im_end|>", chat_template=TOOLS_TEMPLATE)
+    expected = hf_reference.apply_chat_template(messages, tools=tools, chat_template=TOOLS_TEMPLATE, tokenize=False,
+                                                add_generation_prompt=False)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False, tools=tools) == expected
+    assert expected.startswith('add: {"type": "object", "properties": {"a": {"type": "integer"}') and \
+        '[add {"a": 12, "b": 30}]' in expected and "tool: 42 (c1)" in expected
+    # No tools: the loop over them renders nothing (trim_blocks takes the newline after endif).
+    assert ours.apply_chat_template(messages[:1], add_generation_prompt=False) == "user: 12 + 30?"
 
 
 # --- Tokenizer.from_dir -----------------------------------------------------------------

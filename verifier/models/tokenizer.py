@@ -312,12 +312,16 @@ class Tokenizer:
         characters are written as `\\xNN` escapes (the `bytes` field keeps them exact)."""
         return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """Render `messages` with the model's chat template, as transformers does (sandboxed
         jinja2, `trim_blocks`/`lstrip_blocks`, `bos_token`/`eos_token`, `raise_exception`).
+        `tools` (OpenAI's tool definitions) reach the template as its `tools` variable, as
+        transformers passes them; a template that does not read them renders without them.
 
         Raises `InvalidRequestError` (a `ValueError`) when the model has no chat template or
-        the template rejects the conversation (e.g. roles that do not alternate).
+        the template rejects the conversation (e.g. roles that do not alternate, or a
+        message the template cannot render).
         """
         if self._compiled_template is None:
             raise InvalidRequestError(
@@ -329,11 +333,13 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token or "",
                 eos_token=self._eos_token or "",
+                tools=tools,
             )
         except _TemplateRaised as e:
             raise InvalidRequestError("messages", str(e)) from e
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError("messages", f"the chat template failed: {e}") from e
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+            # e.g. a template that adds a message's content to a string, given none
+            raise InvalidRequestError("messages", f"the chat template failed: {type(e).__name__}: {e}") from e
 
 
 # --- helpers ---------------------------------------------------------------------------
