@@ -104,6 +104,7 @@ class _Common(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int = 0  # vLLM extension
     stop_token_ids: list[int] | None = None  # vLLM extension
+    include_stop_str_in_output: bool = False  # vLLM extension: the text ends after the stop string
     speculation: SpeculationRequest | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM extension
@@ -285,6 +286,7 @@ def _common_input(body: _Common, request_id: str, max_tokens: int | None, logpro
         logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, n=body.n, logit_bias=_logit_bias(body.logit_bias),
         min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
+        include_stop_str_in_output=body.include_stop_str_in_output,
         structured_output=_structured_output(body),
     )
 
@@ -747,6 +749,7 @@ class Ingress:
         # in /v1/completions.
         fields: dict[str, Any] = dict(
             request_id=rid, max_tokens=16, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
+            include_stop_str_in_output=r.include_stop_str_in_output,
             speculation_mode=spec.mode or "auto", speculation_method=spec.method or None,
         )
         fields.update({name: getattr(r, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",

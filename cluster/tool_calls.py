@@ -1,8 +1,9 @@
 """Tool calling on structured outputs: `tools` and `tool_choice` of the chat API.
 
 There is no tool-call parser for the bundled model (SmolLM2's chat template knows no
-tools), so, as vLLM without `--enable-auto-tool-choice`, a call is made only when the
-request asks for one, and the grammar makes the output a call:
+tools), so a call is made only when the request asks for one, and the grammar makes the
+output a call, as vLLM's named and "required" tool choices did up to its 0.11 (later
+versions refuse them without a parser):
 
 - a named function (`{"type": "function", "function": {"name": N}}`): the output is
   N's arguments, a JSON object matching N's `parameters` schema;

@@ -540,7 +540,8 @@ class Engine:
         if self.tokenizer is not None:
             from verifier.models.detokenizer import IncrementalDetokenizer
 
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop,
+                                           include_stop=params.include_stop_str_in_output)
         return Sequence(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_token_ids=prompt,

@@ -27,7 +27,8 @@ class SamplingParams:
 
     `temperature == 0` means greedy (argmax). `top_k <= 0` and `top_p == 1` disable those
     filters. `seed` makes sampling reproducible for this request alone. `stop` strings end
-    the output before the stop string (it is not included); EOS ends it unless
+    the output before the stop string (it is not included, unless
+    `include_stop_str_in_output`, vLLM's: then right after it); EOS ends it unless
     `ignore_eos`. A token of `stop_token_ids` (vLLM's) ends it too, included (its text as
     well, unless it is a special token), whatever `ignore_eos`.
 
@@ -57,6 +58,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None

@@ -59,6 +59,7 @@ class GenerateInput:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     speculation_mode: str = "auto"
     speculation_method: str | None = None
@@ -143,6 +144,7 @@ class VerifierServer:
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,

@@ -401,7 +401,8 @@ def test_logits_processing_is_honoured_exactly_over_http_and_grpc(main_app, mode
 
 def test_stop_token_ids_over_http_and_grpc(main_app, tokenizer, greedy, edit_conversations):
     """vLLM's stop_token_ids: the output ends at the first of them, included, with
-    speculation on; over gRPC too."""
+    speculation on; over gRPC too. A stop string with vLLM's include_stop_str_in_output:
+    the text ends right after it."""
     prompt = tokenizer.encode(tokenizer.apply_chat_template(edit_conversations[0]))
     want = greedy([prompt])[0]
     end = want.index(want[6]) + 1
@@ -413,6 +414,16 @@ def test_stop_token_ids_over_http_and_grpc(main_app, tokenizer, greedy, edit_con
         prompt_token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, temperature=0.0,
         stop_token_ids=[want[6]]))
     assert [t for m in messages for t in m.token_ids] == want[:end] and messages[-1].finish_reason == "stop"
+    text = _text(tokenizer, want)
+    stop = text[len(text) // 2: len(text) // 2 + 4]
+    r = _client(main_app).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=[stop],
+        extra_body={"include_stop_str_in_output": True, "speculation": {"mode": "on"}})
+    assert r.choices[0].text == text[: text.index(stop) + len(stop)] and r.choices[0].finish_reason == "stop"
+    messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+        prompt_token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop],
+        include_stop_str_in_output=True))
+    assert "".join(m.text for m in messages) == text[: text.index(stop) + len(stop)]
 
 
 def test_structured_outputs_over_http_and_grpc(main_app, model, tokenizer):

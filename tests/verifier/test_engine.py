@@ -88,6 +88,10 @@ def test_max_tokens_and_stop_strings(plain, code_prompt, tokenizer):
     assert r.finish_reason == FinishReason.STOP
     assert r.text == text[: text.index(stop)]
     assert r.token_ids == full.token_ids[: len(r.token_ids)] and len(r.token_ids) < 20
+    # vLLM's include_stop_str_in_output: the same tokens, the text up to the stop's end.
+    included = _first(plain, code_prompt, SamplingParams(max_tokens=20, temperature=0.0, stop=(stop,),
+                                                         ignore_eos=True, include_stop_str_in_output=True))
+    assert included.text == text[: text.index(stop) + len(stop)] and included.token_ids == r.token_ids
 
 
 def test_max_tokens_one_finishes_after_prefill(plain, code_prompt):

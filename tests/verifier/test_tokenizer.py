@@ -362,8 +362,9 @@ def test_incomplete_character_is_held(tok: Tokenizer) -> None:
     assert cut.add(ids[:2]) == "" and cut.finish() == " \ufffd"  # flushed as a replacement char
 
 
-def _run_stop(tok: Tokenizer, text: str, stop: list[str]) -> tuple[list[str], str, IncrementalDetokenizer]:
-    detok = IncrementalDetokenizer(tok, stop=stop)
+def _run_stop(tok: Tokenizer, text: str, stop: list[str],
+              include: bool = False) -> tuple[list[str], str, IncrementalDetokenizer]:
+    detok = IncrementalDetokenizer(tok, stop=stop, include_stop=include)
     ids = tok.encode(text)
     deltas = _stream(detok, ids, [1] * len(ids))
     return deltas, detok.finish(), detok
@@ -376,6 +377,16 @@ def test_stop_spanning_tokens(tok: Tokenizer) -> None:
     deltas, tail, detok = _run_stop(tok, text, ["d. Th"])
     assert "".join(deltas) == "Hello worl" == detok.text and tail == ""
     assert detok.stopped and detok.add(tok.encode(" more")) == ""
+
+
+def test_stop_included_in_the_output(tok: Tokenizer) -> None:
+    # vLLM's include_stop_str_in_output: the text ends right after the stop string.
+    deltas, tail, detok = _run_stop(tok, "Hello world. The end", ["d. Th"], include=True)
+    assert "".join(deltas) == "Hello world. Th" == detok.text and tail == "" and detok.stopped
+    _, _, detok = _run_stop(tok, "Hello world", ["world", "lo w"], include=True)
+    assert detok.text == "Hello w"  # the earliest stop, as without include
+    _, _, detok = _run_stop(tok, "Hello world", ["wor", "world"], include=True)
+    assert detok.text == "Hello world"  # of two at one place, the longer
 
 
 def test_stop_at_start(tok: Tokenizer) -> None:

@@ -30,9 +30,12 @@ class IncrementalDetokenizer:
     ('Hi.', '', True)
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         """`skip_special_tokens` drops control tokens from the text (default, as an API
-        answer should); pass False to see them, as `Tokenizer.decode` does by default."""
+        answer should); pass False to see them, as `Tokenizer.decode` does by default.
+        `include_stop` (vLLM's `include_stop_str_in_output`): the text ends right after
+        the stop string instead."""
         for s in stop:
             if not s:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty, got {s!r}")
@@ -40,6 +43,7 @@ class IncrementalDetokenizer:
         self._stop = tuple(stop)
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._skip_special_tokens = skip_special_tokens
+        self._include_stop = include_stop
         self._token_ids: list[int] = []
         self._prefix_offset = 0  # window start: decoded only to diff against
         self._read_offset = 0  # text of ids[:read_offset] has been released or held
@@ -87,6 +91,8 @@ class IncrementalDetokenizer:
         cut = first_stop(pending, self._stop)
         if cut is not None:
             self.stopped = True
+            if self._include_stop:  # the longest of the stop strings that begin there
+                cut += max(len(s) for s in self._stop if pending.startswith(s, cut))
             out, self._held = pending[:cut], ""
         else:
             keep = len(pending) if final else stop_prefix_start(pending, self._stop, self._max_stop_len)
