@@ -851,12 +851,12 @@ class Controller:
                 decisions[i] = Decision(None, 0, "request_off")
             elif cap == 0:
                 decisions[i] = Decision(None, 0, "length")
+            elif s.policy == "off" and v.mode != "on":  # off whatever proposers there are
+                decisions[i] = Decision(None, 0, "policy_off")
             elif not (live if v.method is None else [m for m in live if m == v.method]):
                 decisions[i] = Decision(None, 0, "proposer_unavailable")
             elif v.mode == "on":
                 decisions[i] = self._fixed(v, live, v.max_k or s.k, "request_on")
-            elif s.policy == "off":
-                decisions[i] = Decision(None, 0, "policy_off")
             elif s.policy == "static":
                 decisions[i] = self._fixed(v, live, s.k, "static")
             elif s.policy == "batch_table":

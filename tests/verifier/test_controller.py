@@ -888,6 +888,10 @@ def test_unavailable_method_gives_no_drafts():
     d = c.plan([SequenceView("a"), SequenceView("b", method="ngram")], {"ngram": False})
     assert [(x.k, x.reason) for x in d] == [(0, "proposer_unavailable")] * 2
     assert _controller(methods=()).plan([SequenceView("a")])[0].reason == "proposer_unavailable"
+    # Policy off is the reason whatever proposers there are; a request's mode on still asks.
+    off = _controller(methods=(), policy="off")
+    assert [d.reason for d in off.plan([SequenceView("a"), SequenceView("b", mode="on")])] == [
+        "policy_off", "proposer_unavailable"]
 
 
 def test_static_and_batch_table_policies():
