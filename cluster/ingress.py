@@ -105,6 +105,7 @@ class _Common(_Body):
     min_tokens: int = 0  # vLLM extension
     stop_token_ids: list[int] | None = None  # vLLM extension
     include_stop_str_in_output: bool = False  # vLLM extension: the text ends after the stop string
+    bad_words: list[str] | None = None  # vLLM extension: words the output never writes
     speculation: SpeculationRequest | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM extension
@@ -286,7 +287,7 @@ def _common_input(body: _Common, request_id: str, max_tokens: int | None, logpro
         logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, n=body.n, logit_bias=_logit_bias(body.logit_bias),
         min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
-        include_stop_str_in_output=body.include_stop_str_in_output,
+        include_stop_str_in_output=body.include_stop_str_in_output, bad_words=tuple(body.bad_words or ()),
         structured_output=_structured_output(body),
     )
 
@@ -758,6 +759,7 @@ class Ingress:
                        if r.HasField(name)})
         fields["logit_bias"] = tuple(r.logit_bias.items())
         fields["stop_token_ids"] = tuple(r.stop_token_ids)
+        fields["bad_words"] = tuple(r.bad_words)
         if r.HasField("structured_outputs"):
             so, kind = r.structured_outputs, r.structured_outputs.WhichOneof("kind")
             fields["structured_output"] = StructuredOutput(**(

@@ -44,7 +44,7 @@ from verifier.models.threads import cpu_worker, release_openmp_threads, run_on_c
 from verifier.controller import Controller, SequenceView, StepTimeModel, fallback_problem
 from verifier.observer import EngineObserver
 from verifier.rejection_sampler import greedy_accept, rejection_sample
-from verifier.logits_processors import RowContext, process_rows, row_paths
+from verifier.logits_processors import RowContext, bad_word_token_ids, process_rows, row_paths
 from verifier.structured_output import GrammarCompiler, GrammarError
 from verifier.sampling import logits_to_probs, token_logprobs
 from verifier.sampling_params import SamplingParams
@@ -554,7 +554,8 @@ class Engine:
             outputs=asyncio.Queue(),
             row_context=(RowContext(prompt, {*params.stop_token_ids, *(() if params.ignore_eos else self._eos_ids)},
                                     None if params.structured_output is None else
-                                    self._grammars.matcher(params.structured_output))
+                                    self._grammars.matcher(params.structured_output),
+                                    bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else ())
                          if params.processed else None),
         )
 

@@ -10,6 +10,8 @@ applies them (and, for the repetition penalty, HF transformers' `repetition_pena
     logit bias b:  z_j + b_j                          (OpenAI's `logit_bias`)
     min_tokens m:  z_j = -inf for the ids that would end the output (end of sequence,
                    `stop_token_ids`) while fewer than m tokens precede
+    bad words:     z_j = -inf where j would complete a bad word's tokens w: j = w[-1] and
+                   the output ends with w[:-1] (vLLM's `bad_words`; `bad_word_token_ids`)
 
     grammar:       z_j = -inf for the tokens a structured output's grammar refuses next
                    (`verifier.structured_output`)
@@ -34,25 +36,63 @@ from verifier.sampling_params import SamplingParams
 from verifier.structured_output import GrammarMatcher
 
 
+def bad_word_token_ids(tokenizer, words: Iterable[str]) -> list[tuple[int, ...]]:
+    """The token sequences `bad_words` refuse, as vLLM derives them: each word (leading
+    spaces dropped) tokenised alone, and after a space where that gives other tokens of
+    the same number (the word in the middle of a text, " Paris" beside "Paris").
+
+    >>> bad_word_token_ids(tok, ["Paris"])  # doctest: +SKIP
+    [(42, 7), (9, 7)]
+    """
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return out
+
+
 class RowContext:
     """What one sequence's processing reads: its output's token counts and length, its
-    prompt's tokens (repetition penalty), the ids that would end it (min_tokens) and its
-    grammar's matcher (structured outputs)."""
+    prompt's tokens (repetition penalty), the ids that would end it (min_tokens), the
+    token sequences of its bad words with the output's last tokens, and its grammar's
+    matcher (structured outputs)."""
 
     def __init__(self, prompt_token_ids: Iterable[int], stop_token_ids: Iterable[int] = (),
-                 grammar: GrammarMatcher | None = None) -> None:
+                 grammar: GrammarMatcher | None = None, bad_words: Sequence[Sequence[int]] = ()) -> None:
         self.prompt_tokens = frozenset(prompt_token_ids)
         self.stop_token_ids = sorted(stop_token_ids)
         self.counts: collections.Counter[int] = collections.Counter()
         self.num_output = 0
         self.grammar = grammar
+        self.bad_words = [tuple(w) for w in bad_words if w]
+        self.bad_single = sorted({w[0] for w in self.bad_words if len(w) == 1})
+        self.bad_multi = [w for w in self.bad_words if len(w) > 1]
+        #: The output's last tokens, as many as the longest bad word's prefix.
+        self.tail: list[int] = []
+        self._tail_len = max((len(w) - 1 for w in self.bad_multi), default=0)
 
     def add(self, token_ids: Sequence[int]) -> None:
         """Committed output tokens."""
         self.counts.update(token_ids)
         self.num_output += len(token_ids)
+        if self._tail_len:
+            self.tail = (self.tail + list(token_ids))[-self._tail_len:]
         if self.grammar is not None:
             self.grammar.accept(token_ids)
+
+    def banned(self, path: Sequence[int]) -> list[int]:
+        """The bad words' last tokens refused after the output and then `path`."""
+        banned = list(self.bad_single)
+        if self.bad_multi:
+            recent = self.tail + list(path)
+            for w in self.bad_multi:
+                n = len(w) - 1
+                if len(recent) >= n and tuple(recent[-n:]) == w[:-1]:
+                    banned.append(w[-1])
+        return banned
 
 
 def process_rows(logits: torch.Tensor, params: SamplingParams, context: RowContext,
@@ -81,6 +121,8 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, context: RowConte
             row[bias_ids] += bias
         if context.num_output + len(path) < params.min_tokens and context.stop_token_ids:
             row[context.stop_token_ids] = float("-inf")
+        if context.bad_words and (banned := context.banned(path)):
+            row[banned] = float("-inf")
     if context.grammar is not None:
         context.grammar.mask_rows(logits, paths)
 

@@ -46,6 +46,10 @@ class SamplingParams:
     OpenAI's) adds to those tokens' logits; `min_tokens` (vLLM's) keeps the end-of-sequence
     ids and `stop_token_ids` from being chosen before that many tokens (`verifier.logits_processors`).
 
+    `bad_words` (vLLM's) are never written whole: the last token of a word's tokens is
+    refused where the output ends with the ones before it (a one-token word, anywhere);
+    each word counts as tokenised alone and after a space (`verifier.logits_processors`).
+
     `structured_output` makes the output match a JSON schema, a regex, one of given strings
     or a grammar (`verifier.structured_output`); it excludes `min_tokens`, which could hold
     back the end that a complete grammar requires.
@@ -67,6 +71,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
     structured_output: StructuredOutput | None = None
 
     @property
@@ -77,7 +82,7 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether the logits are processed before acceptance (`verifier.logits_processors`)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.structured_output is not None)
+                    or self.logit_bias or self.min_tokens or self.bad_words or self.structured_output is not None)
 
     def validate(self) -> "SamplingParams":
         """Raise `InvalidRequestError` naming the first bad field; return self."""
@@ -122,6 +127,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise InvalidRequestError("bad_words", f"must be strings with a non-space character, got {w!r}")
         if self.structured_output is not None:
             self.structured_output.validate()
             if m:

@@ -73,6 +73,7 @@ class GenerateInput:
     #: (token id, bias) pairs added to those tokens' logits.
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
     #: Outputs to generate for the prompt, each its own sequence (seeded: seed + i).
     n: int = 1
     #: Each output's first event carries the prompt's text ("prompt_text").
@@ -144,7 +145,7 @@ class VerifierServer:
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
+            include_stop_str_in_output=req.include_stop_str_in_output, bad_words=tuple(req.bad_words),
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,

@@ -353,8 +353,8 @@ def test_grpc_logprobs_are_the_targets_own(main_app, tokenizer, edit_conversatio
 
 
 def test_logits_processing_is_honoured_exactly_over_http_and_grpc(main_app, model, tokenizer, edit_conversations):
-    """OpenAI's presence and frequency penalties and logit bias, vLLM's repetition penalty
-    and min_tokens, with speculation on: the local engine's plain decoding with the same
+    """OpenAI's presence and frequency penalties and logit bias, vLLM's repetition penalty,
+    min_tokens and bad_words, with speculation on: the local engine's plain decoding with the same
     settings (which tests/verifier/test_logits_processors.py checks against HF transformers)."""
     from verifier.controller import Controller
     from verifier.engine import Engine, EngineConfig
@@ -397,6 +397,19 @@ def test_logits_processing_is_honoured_exactly_over_http_and_grpc(main_app, mode
     # Without them the outputs differ: the settings were applied.
     assert greedy_ids(main_app, conversations[0]) != want[0]
     assert len(greedy_ids(main_app, short)) < 12
+    # vLLM's bad_words: a word of the plain answer's, never written.
+    plain, = engine.generate_sync(prompts[1:2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    word = next(w for w in (tokenizer.decode([t]).strip() for t in plain.token_ids) if len(w) > 3 and w.isalpha())
+    expected, = engine.generate_sync(prompts[1:2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                  bad_words=(word,)))
+    assert expected.token_ids != plain.token_ids
+    r = client.chat.completions.create(model=MODEL, messages=conversations[1], max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"bad_words": [word], "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == expected.token_ids
+    messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+        prompt_token_ids=generate_pb2.TokenIds(ids=prompts[1]), max_tokens=MAX_TOKENS, temperature=0.0,
+        bad_words=[word]))
+    assert [t for m in messages for t in m.token_ids] == expected.token_ids
 
 
 def test_stop_token_ids_over_http_and_grpc(main_app, tokenizer, greedy, edit_conversations):
@@ -703,6 +716,7 @@ def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     ({"extra_body": {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}},
      "structured_outputs"),
     ({"extra_body": {"response_format": {"type": "json_object"}, "min_tokens": 2}}, "min_tokens"),
+    ({"extra_body": {"bad_words": ["  "]}}, "bad_words"),
 ])
 def test_bad_input_is_400_naming_the_field(main_app, kwargs, param):
     client = _client(main_app, max_retries=0)

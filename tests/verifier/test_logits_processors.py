@@ -1,10 +1,10 @@
-"""Penalties, logit bias and min_tokens (`verifier.logits_processors`) stay exact under
+"""Penalties, logit bias, min_tokens and bad words (`verifier.logits_processors`) stay exact under
 speculation: each verified row is processed on its own context (the output plus the
 drafts on its path).
 
 References: hand computation; HF transformers' `generate` with its own
 `repetition_penalty`; and, for what HF's `generate` does not have as such (OpenAI's
-presence and frequency penalties and logit bias, vLLM's min_tokens), a decoding loop
+presence and frequency penalties and logit bias, vLLM's min_tokens and bad_words), a decoding loop
 written here over HF's forward (its logits, the formula from the API references, argmax).
 """
 
@@ -19,7 +19,7 @@ from tests.verifier.test_engine import _OracleTreeProposer
 from verifier.controller import Controller
 from verifier.engine import Engine, EngineConfig
 from verifier.errors import InvalidRequestError
-from verifier.logits_processors import RowContext, process_rows, row_paths
+from verifier.logits_processors import RowContext, bad_word_token_ids, process_rows, row_paths
 from verifier.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -54,6 +54,38 @@ def test_logit_bias_and_min_tokens_by_hand():
     assert context.num_output == 2
 
 
+def test_bad_words_by_hand():
+    """Bad words (5) and (7, 8, 9) after an output ending in 7: 5 is refused on every
+    row; 9 only on the row after a path that ends the output with 7, 8."""
+    context = RowContext([], bad_words=[(5,), (7, 8, 9)])
+    context.add([1, 7])
+    logits = torch.zeros(4, 10)
+    process_rows(logits, SamplingParams(bad_words=("unused",)), context, [[], [8], [8, 3], [7, 8]])
+    banned = [[j for j in range(10) if row[j] == float("-inf")] for row in logits.tolist()]
+    assert banned == [[5], [5, 9], [5], [5, 9]]
+    assert context.tail == [1, 7]  # the last two output tokens: the longest prefix's length
+    context.add([8])
+    assert context.tail == [7, 8] and context.banned([]) == [5, 9]
+    assert RowContext([], bad_words=[(7, 8, 9)]).banned([8]) == []  # too short an output
+
+
+def test_bad_word_token_ids_by_hand(tokenizer):
+    def pieces(ids):
+        return [tokenizer.decode([t]) for t in ids]
+
+    # " Paris" is another token than "Paris": both refused, so the word is refused at the
+    # start of the output and after a space; leading spaces of the word do not count.
+    alone, spaced = bad_word_token_ids(tokenizer, ["Paris"])
+    assert pieces(alone) == ["Paris"] and pieces(spaced) == [" Paris"]
+    assert bad_word_token_ids(tokenizer, ["  Paris"]) == [alone, spaced]
+    # A word whose spaced form takes another number of tokens keeps its unspaced form only.
+    word = "Lyon"  # "L", "yon" beside " Lyon"
+    assert len(tokenizer.encode(" " + word, add_special_tokens=False)) != len(
+        tokenizer.encode(word, add_special_tokens=False))
+    assert [pieces(w) for w in bad_word_token_ids(tokenizer, [word])] == [
+        [tokenizer.decode([t]) for t in tokenizer.encode(word, add_special_tokens=False)]]
+
+
 def test_row_paths_by_hand():
     assert row_paths(np.array([7, 8, 9], np.int32), None) == [[], [7], [7, 8], [7, 8, 9]]
     # Root children 5 and 6; 6's children 7 and 8; 8's child 9.
@@ -64,7 +96,8 @@ def test_row_paths_by_hand():
 @pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),
                                           ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")),
                                           ("logit_bias", ((5, 101.0),)), ("logit_bias", ((-1, 1.0),)),
-                                          ("min_tokens", -1), ("min_tokens", 17)])
+                                          ("min_tokens", -1), ("min_tokens", 17), ("bad_words", (" ",)),
+                                          ("bad_words", ("",))])
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**{field: value}).validate()  # max_tokens 16
@@ -179,6 +212,39 @@ def test_logit_bias_and_min_tokens_are_exact_under_speculation(model, tokenizer,
     assert all(len(r.token_ids) < 20 and r.token_ids[-1] in eos for r in short)
     assert all(len(o) >= 20 for o in plain[len(prompts):])
     chains, trees = _speculative_runs(model, tokenizer, everything, params, plain)
+    assert chains == plain and trees == plain
+
+
+def test_bad_words_are_exact_under_speculation(model, tokenizer, hf_model, prompts):
+    """Each code prompt's greedy output with one of its own two-token words made bad (one
+    whose tokens are among the word's refused sequences) and, for the first, a one-token
+    word too: plain decoding equals a loop over HF's logits that refuses, by the rule
+    written here, a sequence's last token where the output ends with the rest; chains
+    and trees give the same."""
+    code = prompts[:2]
+    free = [r.token_ids for r in Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        code, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+    params = []
+    for n, out in enumerate(free):
+        pair = next(tokenizer.decode(out[i:i + 2]) for i in range(len(out) - 1)
+                    if tokenizer.decode(out[i:i + 2]).strip().isalpha()
+                    and tuple(out[i:i + 2]) in bad_word_token_ids(tokenizer, [tokenizer.decode(out[i:i + 2])]))
+        words = (pair,) if n else (pair, next(tokenizer.decode([t]).strip() for t in out
+                                              if len(tokenizer.decode([t]).strip()) > 3
+                                              and tokenizer.decode([t]).strip().isalpha()))
+        params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, bad_words=words))
+    plain = [r.token_ids for r in Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(code, params)]
+    for prompt, p, ours, before in zip(code, params, plain, free):
+        sequences = bad_word_token_ids(tokenizer, p.bad_words)
+
+        def adjust(logits, out, sequences=sequences):
+            for w in sequences:
+                if len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1:]) == w[:-1]:
+                    logits[w[-1]] = float("-inf")
+
+        assert ours == _reference(hf_model, tokenizer, prompt, adjust) and ours != before
+        assert not any(tuple(ours[i:i + len(w)]) == w for w in sequences for i in range(len(ours)))
+    chains, trees = _speculative_runs(model, tokenizer, code, params, plain)
     assert chains == plain and trees == plain
 
 
