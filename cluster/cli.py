@@ -159,9 +159,10 @@ def _generate(args: argparse.Namespace) -> int:
         dynamic_tree=args.dynamic_tree, tree_budget=args.tree_budget, tensor_parallel_size=args.tensor_parallel_size,
     ))
     tok = engine.tokenizer
-    if args.chat:
-        prompt_text = tok.apply_chat_template([{"role": "user", "content": prompt_text}])
-    prompt_ids = tok.encode(prompt_text)
+    from verifier.server import prompt_token_ids
+
+    chat = [{"role": "user", "content": prompt_text}] if args.chat else None
+    prompt_ids = prompt_token_ids(tok, None if args.chat else prompt_text, chat)
 
     logprobs: list = []
 

@@ -26,6 +26,7 @@ from ray import serve
 from cluster.autoscaling import ACTIVE_SEQUENCES, POLICY_PATH
 from cluster.config import AutoscalingConfig, ProposerConfig, ResourcesConfig, SplitspecConfig
 from cluster.discovery import HEARTBEAT_S, get_directory
+from verifier.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +211,19 @@ class VerifierReplica:
     async def generate(self, request):
         async for event in self.server.generate(request):
             yield event
+
+    def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`VerifierServer.tokenize`; a bad request answers {"error": {"param", "message"}}."""
+        try:
+            return self.server.tokenize(**request)
+        except InvalidRequestError as exc:
+            return {"error": {"param": exc.param, "message": str(exc)}}
+
+    def detokenize(self, token_ids: list[int]) -> dict[str, Any]:
+        try:
+            return self.server.detokenize(token_ids)
+        except InvalidRequestError as exc:
+            return {"error": {"param": exc.param, "message": str(exc)}}
 
     def stats(self) -> dict[str, Any]:
         out = self.server.stats()

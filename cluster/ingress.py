@@ -176,11 +176,30 @@ class ChatCompletionBody(_Common):
     parallel_tool_calls: bool = True
 
 
-def _chat_messages(body: ChatCompletionBody) -> tuple[dict[str, Any], ...]:
+class TokenizeBody(_Body):
+    """vLLM's `/tokenize`: a prompt, or a conversation as the chat API takes it."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    #: None: as a request is prefilled (a text with the model's BOS, a conversation without:
+    #: its template writes it).
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _chat_messages(chat: list[ChatMessage]) -> tuple[dict[str, Any], ...]:
     """The conversation as the chat template reads it (as transformers and vLLM hand it
     over: no content is "", a call's arguments are an object where they parse as one)."""
     messages = []
-    for i, m in enumerate(body.messages):
+    for i, m in enumerate(chat):
         content = m.content
         if content is None:
             if m.role != "assistant":
@@ -673,7 +692,7 @@ class Ingress:
         try:
             body = _parse(ChatCompletionBody, await _json(request))
             self._check_model(body.model)
-            messages = _chat_messages(body)
+            messages = _chat_messages(body.messages)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             if body.top_logprobs is not None and not body.logprobs:
@@ -686,6 +705,40 @@ class Ingress:
         except ApiError as exc:
             return exc.response()
         return await self._run(body, inp, chat=True, calls=calls)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's: the ids a prompt or conversation is prefilled with, and their count."""
+        try:
+            body = _parse(TokenizeBody, await _json(request))
+            self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise ApiError(400, "prompt: give exactly one of prompt, messages", "prompt")
+            out = await self._plain.tokenize.remote({
+                "prompt": body.prompt,
+                "messages": None if body.messages is None else _chat_messages(body.messages),
+                "tools": None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools],
+                "add_generation_prompt": body.add_generation_prompt, "add_special_tokens": body.add_special_tokens})
+            if "error" in out:
+                raise ApiError(400, out["error"]["message"], out["error"]["param"])
+        except ApiError as exc:
+            return exc.response()
+        if not body.return_token_strs:
+            out["token_strs"] = None
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's: the text of token ids."""
+        try:
+            body = _parse(DetokenizeBody, await _json(request))
+            self._check_model(body.model)
+            out = await self._plain.detokenize.remote(body.tokens)
+            if "error" in out:
+                raise ApiError(400, out["error"]["message"], out["error"]["param"])
+        except ApiError as exc:
+            return exc.response()
+        return out
 
     # ------------------------------------------------------------------ gRPC
     async def Generate(self, request: generate_pb2.GenerateRequest, grpc_context=None):

@@ -104,6 +104,28 @@ def logprob_entries(tokenizer, logprobs: Sequence[TokenLogprob | None],
             for t, lp in zip(token_ids, logprobs)]
 
 
+def prompt_token_ids(tokenizer, prompt: str | None, messages: Sequence[dict[str, Any]] | None,
+                     tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                     add_special_tokens: bool | None = None) -> list[int]:
+    """The ids a prompt is prefilled with. A text is encoded with the tokenizer's special
+    tokens (a BOS where the model adds one); a conversation is rendered by the chat
+    template, which writes its own (`bos_token`), and encoded without them, as HF
+    transformers and vLLM do: a Llama 3 prompt starts with one BOS, not two.
+    `add_special_tokens` None keeps those defaults."""
+    if messages is not None:
+        if not messages:
+            raise InvalidRequestError("messages", "must not be empty")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidRequestError(f"messages[{i}]", "needs a string 'role' and a string 'content'")
+        text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                                             tools=None if tools is None else list(tools))
+        return tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
+    if not prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
+
+
 def _per_batch_ms(values: dict[int, float], digits: int) -> dict[int, float]:
     """A step-time term learned per batch size, in ms, by batch size."""
     return {b: round(t * 1e3, digits) for b, t in sorted(values.items())}
@@ -122,21 +144,29 @@ class VerifierServer:
         given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
         if sum(given) != 1:
             raise InvalidRequestError("prompt", "give exactly one of prompt, messages, prompt_token_ids")
-        tok = self.engine.tokenizer
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
-        if req.messages is not None:
-            if not req.messages:
-                raise InvalidRequestError("messages", "must not be empty")
-            for i, m in enumerate(req.messages):
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError(f"messages[{i}]", "needs a string 'role' and a string 'content'")
-            text = tok.apply_chat_template([dict(m) for m in req.messages], add_generation_prompt=True,
-                                           tools=None if req.tools is None else list(req.tools))
-            return tok.encode(text)
-        if not req.prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        return tok.encode(req.prompt)
+        return prompt_token_ids(self.engine.tokenizer, req.prompt, req.messages, req.tools)
+
+    def tokenize(self, prompt: str | None = None, messages: Sequence[dict[str, Any]] | None = None,
+                 tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                 add_special_tokens: bool | None = None) -> dict[str, Any]:
+        """What a request with this prompt or conversation is prefilled with (vLLM's
+        `/tokenize`): {"count", "max_model_len", "tokens", "token_strs"}."""
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("prompt", "give exactly one of prompt, messages")
+        tok = self.engine.tokenizer
+        ids = prompt_token_ids(tok, prompt, messages, tools, add_generation_prompt, add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids,
+                "token_strs": [tok.token_text(t) for t in ids]}
+
+    def detokenize(self, token_ids: Sequence[int]) -> dict[str, Any]:
+        """The text of `token_ids` (vLLM's `/detokenize`), special tokens included."""
+        vocab = self.engine.model.config.vocab_size
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError("tokens", f"must be token ids in [0, {vocab}), got {t!r}")
+        return {"prompt": self.engine.tokenizer.decode(list(token_ids))}
 
     def _params(self, req: GenerateInput, num_prompt_tokens: int) -> SamplingParams:
         max_tokens = req.max_tokens

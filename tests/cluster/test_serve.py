@@ -754,6 +754,33 @@ def test_bad_tool_calls_are_400_naming_the_field(main_app, kwargs, param):
     assert error["param"] == param and error["message"].startswith(param), error
 
 
+def test_tokenize_and_detokenize(main_app, tokenizer):
+    """vLLM's /tokenize gives the ids a request is prefilled with (a chat's count is its
+    usage.prompt_tokens); /detokenize gives the text back, special tokens included."""
+    root = main_app.base_url.removesuffix("/v1")
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    rendered = tokenizer.apply_chat_template(chat)
+    want = tokenizer.encode(rendered, add_special_tokens=False)
+    r = httpx.post(f"{root}/tokenize", json={"model": MODEL, "messages": chat}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"count": len(want), "max_model_len": 1024, "tokens": want,
+                                                 "token_strs": None}
+    usage = _client(main_app).chat.completions.create(model=MODEL, messages=chat, max_tokens=1).usage
+    assert usage.prompt_tokens == len(want)
+    r = httpx.post(f"{root}/tokenize", json={"messages": chat, "add_generation_prompt": False}, timeout=30).json()
+    assert r["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=False))
+    r = httpx.post(f"{root}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}, timeout=30).json()
+    assert r["token_strs"] == ["Hello", " world"] and r["count"] == 2
+    r = httpx.post(f"{root}/detokenize", json={"model": MODEL, "tokens": want}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"prompt": rendered}
+    for path, body, param in (("tokenize", {}, "prompt"), ("tokenize", {"prompt": "a", "messages": chat}, "prompt"),
+                              ("tokenize", {"prompt": "a", "model": "gpt-4"}, "model"),
+                              ("tokenize", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+                              ("detokenize", {"tokens": [49152]}, "tokens"),
+                              ("detokenize", {"tokens": "abc"}, "tokens")):
+        r = httpx.post(f"{root}/{path}", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
 def test_bad_chat_input_and_bad_json(main_app):
     client = _client(main_app, max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:

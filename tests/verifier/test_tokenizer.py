@@ -297,6 +297,21 @@ def test_user_defined_tokens_are_whole_but_not_special(tmp_path) -> None:
     assert tiny.decode(ids, skip_special_tokens=True) == "a<think>b"
 
 
+def test_a_conversation_starts_with_the_templates_bos_alone(tmp_path) -> None:
+    # A Llama 3 style tokenizer adds a BOS, and its template writes one: a conversation is
+    # encoded without the tokenizer's, as HF and vLLM do; a text keeps it.
+    from verifier.server import prompt_token_ids
+
+    template = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    tiny = Tokenizer.from_gguf(_tiny_gguf(tmp_path, pre="llama-bpe", chat_template=template))
+    bos, n123 = TINY_TOKENS.index("<|endoftext|>"), TINY_TOKENS.index("123")
+    assert tiny.add_bos and prompt_token_ids(tiny, None, [{"role": "user", "content": "123"}]) == [bos, n123]
+    assert prompt_token_ids(tiny, "123", None) == [bos, n123]
+    assert prompt_token_ids(tiny, "123", None, add_special_tokens=False) == [n123]
+    assert prompt_token_ids(tiny, None, [{"role": "user", "content": "123"}], add_special_tokens=True) == [
+        bos, bos, n123]
+
+
 def test_end_of_turn_marker_from_the_template(tmp_path) -> None:
     chatml = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     assert Tokenizer.from_gguf(_tiny_gguf(tmp_path, chat_template=chatml)).eos_token_ids == {0, 15}
