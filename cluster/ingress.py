@@ -106,6 +106,9 @@ class _Common(_Body):
     stop_token_ids: list[int] | None = None  # vLLM extension
     include_stop_str_in_output: bool = False  # vLLM extension: the text ends after the stop string
     bad_words: list[str] | None = None  # vLLM extension: words the output never writes
+    allowed_token_ids: list[int] | None = None  # vLLM extension: the only tokens the output may hold
+    skip_special_tokens: bool = True  # vLLM extension
+    truncate_prompt_tokens: int | None = None  # vLLM extension: keep the prompt's last N tokens
     speculation: SpeculationRequest | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM extension
@@ -307,6 +310,8 @@ def _common_input(body: _Common, request_id: str, max_tokens: int | None, logpro
         repetition_penalty=body.repetition_penalty, n=body.n, logit_bias=_logit_bias(body.logit_bias),
         min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
         include_stop_str_in_output=body.include_stop_str_in_output, bad_words=tuple(body.bad_words or ()),
+        allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+        skip_special_tokens=body.skip_special_tokens, truncate_prompt_tokens=body.truncate_prompt_tokens,
         structured_output=_structured_output(body),
     )
 
@@ -813,6 +818,11 @@ class Ingress:
         fields["logit_bias"] = tuple(r.logit_bias.items())
         fields["stop_token_ids"] = tuple(r.stop_token_ids)
         fields["bad_words"] = tuple(r.bad_words)
+        if r.allowed_token_ids:
+            fields["allowed_token_ids"] = tuple(r.allowed_token_ids)
+        for name in ("skip_special_tokens", "truncate_prompt_tokens"):
+            if r.HasField(name):
+                fields[name] = getattr(r, name)
         if r.HasField("structured_outputs"):
             so, kind = r.structured_outputs, r.structured_outputs.WhichOneof("kind")
             fields["structured_output"] = StructuredOutput(**(

@@ -320,7 +320,8 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(name, f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
@@ -540,7 +541,7 @@ class Engine:
         if self.tokenizer is not None:
             from verifier.models.detokenizer import IncrementalDetokenizer
 
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop,
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
                                            include_stop=params.include_stop_str_in_output)
         return Sequence(
             request_id=request_id or f"req-{next(self._ids)}",

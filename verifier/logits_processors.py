@@ -10,6 +10,7 @@ applies them (and, for the repetition penalty, HF transformers' `repetition_pena
     logit bias b:  z_j + b_j                          (OpenAI's `logit_bias`)
     min_tokens m:  z_j = -inf for the ids that would end the output (end of sequence,
                    `stop_token_ids`) while fewer than m tokens precede
+    allowed ids A: z_j = -inf for j not in A (vLLM's `allowed_token_ids`)
     bad words:     z_j = -inf where j would complete a bad word's tokens w: j = w[-1] and
                    the output ends with w[:-1] (vLLM's `bad_words`; `bad_word_token_ids`)
 
@@ -104,6 +105,12 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, context: RowConte
     bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
     bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
     penalised = r != 1.0 or f or s
+    if params.allowed_token_ids is not None:  # every row alike; numpy: one thread (see GrammarMatcher)
+        z = logits.numpy()
+        allowed = np.fromiter(set(params.allowed_token_ids), dtype=np.int64)
+        kept = z[:, allowed]
+        z.fill(float("-inf"))
+        z[:, allowed] = kept
     for i, path in enumerate(paths):
         # The output's counts with the path's drafts: a copy per row, so only for the penalties
         # (a request with a grammar alone, say, reads none of it).

@@ -50,6 +50,10 @@ class SamplingParams:
     refused where the output ends with the ones before it (a one-token word, anywhere);
     each word counts as tokenised alone and after a space (`verifier.logits_processors`).
 
+    `allowed_token_ids` (vLLM's; None: all) are the only tokens the output may hold.
+    `skip_special_tokens` False keeps control tokens in the text (the end of sequence that
+    ends it excepted), as vLLM's.
+
     `structured_output` makes the output match a JSON schema, a regex, one of given strings
     or a grammar (`verifier.structured_output`); it excludes `min_tokens`, which could hold
     back the end that a complete grammar requires.
@@ -72,6 +76,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
 
     @property
@@ -82,7 +88,8 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether the logits are processed before acceptance (`verifier.logits_processors`)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.bad_words or self.structured_output is not None)
+                    or self.logit_bias or self.min_tokens or self.bad_words or self.allowed_token_ids is not None
+                    or self.structured_output is not None)
 
     def validate(self) -> "SamplingParams":
         """Raise `InvalidRequestError` naming the first bad field; return self."""
@@ -127,6 +134,12 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidRequestError("allowed_token_ids", "must not be empty (leave it out to allow every token)")
+            for t in self.allowed_token_ids:
+                if not (_is_int(t) and t >= 0):
+                    raise InvalidRequestError("allowed_token_ids", f"must be token ids >= 0, got {t!r}")
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():
                 raise InvalidRequestError("bad_words", f"must be strings with a non-space character, got {w!r}")

@@ -74,6 +74,11 @@ class GenerateInput:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    skip_special_tokens: bool = True
+    #: N > 0: only the prompt's last N tokens are kept (vLLM's); -1: as many as the
+    #: context holds.
+    truncate_prompt_tokens: int | None = None
     #: Outputs to generate for the prompt, each its own sequence (seeded: seed + i).
     n: int = 1
     #: Each output's first event carries the prompt's text ("prompt_text").
@@ -145,8 +150,15 @@ class VerifierServer:
         if sum(given) != 1:
             raise InvalidRequestError("prompt", "give exactly one of prompt, messages, prompt_token_ids")
         if req.prompt_token_ids is not None:
-            return list(req.prompt_token_ids)
-        return prompt_token_ids(self.engine.tokenizer, req.prompt, req.messages, req.tools)
+            ids = list(req.prompt_token_ids)
+        else:
+            ids = prompt_token_ids(self.engine.tokenizer, req.prompt, req.messages, req.tools)
+        keep = req.truncate_prompt_tokens
+        if keep is not None:
+            if isinstance(keep, bool) or not isinstance(keep, int) or not (keep >= 1 or keep == -1):
+                raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer >= 1, or -1, got {keep!r}")
+            ids = ids[-(self.engine.config.max_model_len if keep == -1 else keep):]
+        return ids
 
     def tokenize(self, prompt: str | None = None, messages: Sequence[dict[str, Any]] | None = None,
                  tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
@@ -176,6 +188,8 @@ class VerifierServer:
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, bad_words=tuple(req.bad_words),
+            allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+            skip_special_tokens=req.skip_special_tokens,
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -203,7 +217,8 @@ class VerifierServer:
             tok = self.engine.tokenizer
             prompt_text = None
             if req.echo:
-                prompt_text = req.prompt if req.prompt is not None else tok.decode(prompt_ids)
+                prompt_text = (req.prompt if req.prompt is not None and req.truncate_prompt_tokens is None
+                               else tok.decode(prompt_ids))
             started: set[int] = set()
             async with contextlib.aclosing(stream):
                 async for i, out in stream:

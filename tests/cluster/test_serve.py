@@ -410,6 +410,24 @@ def test_logits_processing_is_honoured_exactly_over_http_and_grpc(main_app, mode
         prompt_token_ids=generate_pb2.TokenIds(ids=prompts[1]), max_tokens=MAX_TOKENS, temperature=0.0,
         bad_words=[word]))
     assert [t for m in messages for t in m.token_ids] == expected.token_ids
+    # vLLM's allowed_token_ids, truncate_prompt_tokens and skip_special_tokens: the
+    # last 30 prompt tokens, three tokens, all forced to <|im_start|> (the one allowed),
+    # shown or skipped in the text.
+    start = tokenizer.encode("<|im_start|>", add_special_tokens=False)[0]
+    for skip, text in ((True, ""), (False, "<|im_start|>" * 3)):
+        r = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=3, temperature=0, extra_body={
+            "allowed_token_ids": [start], "truncate_prompt_tokens": 30, "skip_special_tokens": skip,
+            "return_token_ids": True})
+        assert r.choices[0].text == text and r.choices[0].model_extra["token_ids"] == [start] * 3
+        assert r.usage.prompt_tokens == 30
+        messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+            prompt_token_ids=generate_pb2.TokenIds(ids=prompts[0]), max_tokens=3, temperature=0.0,
+            allowed_token_ids=[start], truncate_prompt_tokens=30, skip_special_tokens=skip))
+        assert "".join(m.text for m in messages) == text and messages[-1].usage.prompt_tokens == 30
+    cut, = engine.generate_sync([prompts[0][-30:]], SamplingParams(max_tokens=8, temperature=0.0))
+    r = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 30, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == cut.token_ids
 
 
 def test_stop_token_ids_over_http_and_grpc(main_app, tokenizer, greedy, edit_conversations):
@@ -717,6 +735,9 @@ def test_ten_concurrent_streams(main_app, tokenizer, greedy):
      "structured_outputs"),
     ({"extra_body": {"response_format": {"type": "json_object"}, "min_tokens": 2}}, "min_tokens"),
     ({"extra_body": {"bad_words": ["  "]}}, "bad_words"),
+    ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+    ({"extra_body": {"allowed_token_ids": [49152]}}, "allowed_token_ids"),  # beyond the vocabulary
+    ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
 ])
 def test_bad_input_is_400_naming_the_field(main_app, kwargs, param):
     client = _client(main_app, max_retries=0)

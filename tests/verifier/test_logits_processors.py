@@ -69,6 +69,15 @@ def test_bad_words_by_hand():
     assert RowContext([], bad_words=[(7, 8, 9)]).banned([8]) == []  # too short an output
 
 
+def test_allowed_token_ids_by_hand():
+    # Every row keeps only ids 1 and 3, with the values processing gave them (bias on 3).
+    context = RowContext([])
+    logits = torch.tensor([[0.5, 1.0, 2.0, 3.0], [4.0, -1.0, 0.0, 1.0]])
+    process_rows(logits, SamplingParams(allowed_token_ids=(3, 1, 3), logit_bias=((3, 1.0),)), context, [[], [2]])
+    ninf = float("-inf")
+    assert logits.tolist() == [[ninf, 1.0, ninf, 4.0], [ninf, -1.0, ninf, 2.0]]
+
+
 def test_bad_word_token_ids_by_hand(tokenizer):
     def pieces(ids):
         return [tokenizer.decode([t]) for t in ids]
@@ -97,7 +106,8 @@ def test_row_paths_by_hand():
                                           ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")),
                                           ("logit_bias", ((5, 101.0),)), ("logit_bias", ((-1, 1.0),)),
                                           ("min_tokens", -1), ("min_tokens", 17), ("bad_words", (" ",)),
-                                          ("bad_words", ("",))])
+                                          ("bad_words", ("",)), ("allowed_token_ids", ()),
+                                          ("allowed_token_ids", (-2,))])
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**{field: value}).validate()  # max_tokens 16
@@ -245,6 +255,28 @@ def test_bad_words_are_exact_under_speculation(model, tokenizer, hf_model, promp
         assert ours == _reference(hf_model, tokenizer, prompt, adjust) and ours != before
         assert not any(tuple(ours[i:i + len(w)]) == w for w in sequences for i in range(len(ours)))
     chains, trees = _speculative_runs(model, tokenizer, code, params, plain)
+    assert chains == plain and trees == plain
+
+
+def test_allowed_token_ids_are_exact_under_speculation(model, tokenizer, hf_model, prompts):
+    """The first code prompt's greedy output's own tokens allowed, but its third token:
+    plain decoding equals the loop over HF's logits keeping only those ids; chains and
+    trees give the same."""
+    free, = [r.token_ids for r in Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        prompts[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+    allowed = tuple(sorted(set(free) - {free[2]}))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, allowed_token_ids=allowed)
+    plain = [r.token_ids for r in Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        prompts[:1], params)]
+
+    def adjust(logits, out):
+        keep = logits[list(allowed)].clone()
+        logits.fill_(float("-inf"))
+        logits[list(allowed)] = keep
+
+    assert plain[0] == _reference(hf_model, tokenizer, prompts[0], adjust) and plain[0] != free
+    assert set(plain[0]) <= set(allowed)
+    chains, trees = _speculative_runs(model, tokenizer, prompts[:1], params, plain)
     assert chains == plain and trees == plain
 
 
