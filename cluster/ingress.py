@@ -11,6 +11,7 @@ No `from __future__ import annotations` here: FastAPI must see `Request` as a cl
 a string, in the routes of a Serve class-based ingress.
 """
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -116,7 +117,8 @@ class _Common(_Body):
 
 
 class CompletionBody(_Common):
-    prompt: str | list[str] | list[int]
+    #: A text or token ids; a list of either is a batch: prompt i's output j is choice i * n + j.
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     #: The chosen token's log probability and this many alternatives', per output token.
@@ -405,8 +407,9 @@ def _without_output(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def _usage(finals: list[dict[str, Any]]) -> dict[str, int]:
-    """A request's usage from its outputs' final events: the prompt once, every output."""
-    prompt = finals[0]["usage"]["prompt_tokens"]
+    """A request's usage from its outputs' final events: each prompt once (a batch's
+    events carry their "prompt_index"), every output."""
+    prompt = sum({f.get("prompt_index", 0): f["usage"]["prompt_tokens"] for f in finals}.values())
     completion = sum(f["usage"]["completion_tokens"] for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -475,6 +478,50 @@ def _node_metrics_url() -> str | None:
     return None
 
 
+async def _merged(opened: list[tuple[dict[str, Any], Any]], counts: list[int],
+                  ) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
+    """The events of a batch's streams (prompt i's first event and stream, and its number
+    of outputs) as one stream, in arrival order: output j of prompt i becomes output
+    `sum(counts[:i]) + j`, with its "prompt_index". Closing it cancels every stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+
+    async def pump(i: int, first: dict[str, Any], stream) -> None:
+        try:
+            event = first
+            while True:
+                await queue.put({**event, "index": offsets[i] + event.get("index", 0), "prompt_index": i})
+                try:
+                    event = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+        except Exception as exc:  # a replica lost mid-stream: the whole response fails
+            await queue.put(exc)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(i, first, stream)) for i, (first, stream) in enumerate(opened)]
+
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        finished = 0
+        try:
+            while finished < len(tasks):
+                item = await queue.get()
+                if item is done:
+                    finished += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    stream = events()
+    return await stream.__anext__(), stream
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -509,17 +556,34 @@ class Ingress:
             raise _error_from_event(first)
         return first, stream
 
-    async def _run(self, body: _Common, inp: GenerateInput, chat: bool, drop: bool = False,
+    async def _open_batch(self, inps: list[GenerateInput], span) -> tuple[dict[str, Any], AsyncIterator]:
+        """`_open` for each prompt of a batch, side by side, as one stream (`_merged`); the
+        first error cancels the rest and is the response."""
+        if len(inps) == 1:
+            return await self._open(inps[0], span)
+        opened = await asyncio.gather(*(self._open(inp, span) for inp in inps), return_exceptions=True)
+        errors = [r for r in opened if isinstance(r, BaseException)]
+        if errors:
+            for r in opened:
+                if not isinstance(r, BaseException):
+                    r[1].cancel()
+            raise errors[0]
+        return await _merged(opened, [inp.n for inp in inps])
+
+    async def _run(self, body: _Common, inp: GenerateInput | list[GenerateInput], chat: bool, drop: bool = False,
                    calls: Calls | None = None):
-        """`drop`: echo with max_tokens 0, so the response holds the prompt and no output.
-        `calls`: the output is read as tool calls."""
+        """`inp`: one request, or a batch of prompts (completions). `drop`: echo with
+        max_tokens 0, so the response holds the prompt and no output. `calls`: the output
+        is read as tool calls."""
+        inps = inp if isinstance(inp, list) else [inp]
+        inp, total = inps[0], sum(i.n for i in inps)
         rid = inp.request_id
         span = tracer.start_span("splitspec.ingress", attributes={
             "splitspec.api": "chat.completions" if chat else "completions", "splitspec.request_id": rid,
             "splitspec.stream": body.stream})
         try:
             with trace.use_span(span, end_on_exit=False):
-                first, stream = await self._open(inp, span)
+                first, stream = await self._open_batch(inps, span)
         except ApiError as exc:
             span.set_attribute("splitspec.status", exc.status)
             span.end()
@@ -527,7 +591,7 @@ class Ingress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _ending(span, self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids, inp.n,
+                _ending(span, self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids, total,
                                                drop, calls)),
                 media_type="text/event-stream")
         outputs: dict[int, _Output] = {}
@@ -536,7 +600,7 @@ class Ingress:
             while True:
                 out = outputs.setdefault(event.get("index", 0), _Output(inp.logprobs is not None))
                 out.add(_without_output(event) if drop else event)
-                if sum(o.final is not None for o in outputs.values()) == inp.n:
+                if sum(o.final is not None for o in outputs.values()) == total:
                     break
                 event = await stream.__anext__()
         finally:
@@ -645,7 +709,6 @@ class Ingress:
     async def metrics(self):
         """The `ray_splitspec_*` series of this node's Ray metrics exporter (Prometheus text).
         On one machine that is every replica; on a cluster scrape each node's metrics port."""
-        import asyncio
         import urllib.request
 
         if self._metrics_url is None:  # fixed for this process: one GCS lookup
@@ -674,23 +737,21 @@ class Ingress:
             body = _parse(CompletionBody, await _json(request))
             self._check_model(body.model)
             prompt = body.prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-                if len(prompt) != 1:
-                    raise ApiError(400, "prompt: only one prompt per request is supported", "prompt")
-                prompt = prompt[0]
+            if isinstance(prompt, list) and not prompt:
+                raise ApiError(400, "prompt: must not be empty", "prompt")
+            # A list of texts or of id lists is a batch; a list of ids is one prompt.
+            prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
             rid = f"cmpl-{uuid.uuid4().hex}"
             # Echo with max_tokens 0 scores the prompt alone (as OpenAI's API allows): one
             # token is generated and dropped.
             drop = body.echo and body.max_tokens == 0
             fields = _common_input(body, rid, 1 if drop else body.max_tokens, body.logprobs)
             fields.update(echo=body.echo, prompt_logprobs=body.logprobs if body.echo else None)
-            if isinstance(prompt, list):
-                inp = GenerateInput(prompt_token_ids=tuple(prompt), **fields)
-            else:
-                inp = GenerateInput(prompt=prompt, **fields)
+            inps = [GenerateInput(prompt_token_ids=tuple(p), **fields) if isinstance(p, list) else
+                    GenerateInput(prompt=p, **fields) for p in prompts]
         except ApiError as exc:
             return exc.response()
-        return await self._run(body, inp, chat=False, drop=drop)
+        return await self._run(body, inps, chat=False, drop=drop)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):

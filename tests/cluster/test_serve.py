@@ -637,6 +637,38 @@ def greedy_ids(app, conversation) -> list[int]:
     return r.choices[0].model_extra["token_ids"]
 
 
+def test_a_batch_of_prompts_in_one_completions_request(main_app, tokenizer, greedy, edit_conversations):
+    """A list of prompts (token id lists, or texts) is a batch: prompt i's output j is
+    choice i * n + j, each plain decoding's; usage counts each prompt once. Streamed, the
+    chunks of the outputs interleave, each with its index. One bad prompt refuses all."""
+    client = _client(main_app)
+    texts = [tokenizer.apply_chat_template(c) for c in edit_conversations]
+    prompts = [tokenizer.encode(t) for t in texts]
+    want = greedy(prompts)
+    extra = {"speculation": {"mode": "on"}, "return_token_ids": True}
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0, n=2,
+                                  extra_body=extra)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.model_extra["token_ids"] for c in r.choices] == [want[0], want[0], want[1], want[1]]
+    assert [c.text for c in r.choices] == [_text(tokenizer, w) for w in (want[0], want[0], want[1], want[1])]
+    assert r.usage.prompt_tokens == len(prompts[0]) + len(prompts[1])
+    assert r.usage.completion_tokens == 2 * (len(want[0]) + len(want[1]))
+    chunks = list(client.completions.create(model=MODEL, prompt=texts, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, extra_body=extra))
+    got: dict[int, list[int]] = collections.defaultdict(list)
+    for chunk in chunks:
+        for c in chunk.choices:
+            got[c.index] += c.model_extra.get("token_ids") or []
+    assert dict(got) == {0: want[0], 1: want[1]}
+    assert chunks[-1].usage.prompt_tokens == len(prompts[0]) + len(prompts[1])
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(main_app, max_retries=0).completions.create(model=MODEL, prompt=[texts[0], "word " * 1100],
+                                                            max_tokens=4)
+    assert info.value.body["param"] == "prompt"
+    _wait_for(lambda: httpx.get(main_app.health_url, timeout=10).json()["num_running"] == 0, 30,
+              "the batch's other prompt to be cancelled")
+
+
 def test_n_choices_over_http_and_grpc(main_app, tokenizer, greedy, edit_conversations):
     """n outputs of one request: greedy, each is plain decoding's; sampled with a seed s,
     choice i is a request of its own with seed s + i; usage counts the prompt once and
