@@ -61,6 +61,8 @@ class SpeculationRequest(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    #: vLLM's: every chunk carries its output's usage so far.
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Body):
@@ -590,9 +592,10 @@ class Ingress:
             return exc.response()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
             return StreamingResponse(
                 _ending(span, self._sse_stream(rid, first, stream, chat, include_usage, body.return_token_ids, total,
-                                               drop, calls)),
+                                               drop, calls, continuous)),
                 media_type="text/event-stream")
         outputs: dict[int, _Output] = {}
         try:
@@ -637,8 +640,17 @@ class Ingress:
 
     async def _sse_stream(self, rid: str, first: dict[str, Any], stream, chat: bool,
                           include_usage: bool, token_ids: bool, n: int, drop: bool,
-                          calls: Calls | None = None) -> AsyncIterator[str]:
+                          calls: Calls | None = None, continuous: bool = False) -> AsyncIterator[str]:
+        """`continuous`: each chunk carries its output's usage so far (the prompt's tokens,
+        as each output's first event gives them, and the output's tokens)."""
         created = int(time.time())
+        num_prompt = [first.get("num_prompt_tokens", 0)] * n  # a batch's other prompts: from their first events
+        num_output = [0] * n
+
+        def usage(i: int) -> dict[str, int]:
+            return {"prompt_tokens": num_prompt[i], "completion_tokens": num_output[i],
+                    "total_tokens": num_prompt[i] + num_output[i]}
+
         obj = "chat.completion.chunk" if chat else "text_completion"
         text_offset = [0] * n  # the completions API's, per output: characters of tokens streamed so far
         call_deltas = [CallDeltas(calls) for _ in range(n)] if calls is not None else None
@@ -664,16 +676,24 @@ class Ingress:
 
         if chat:  # OpenAI opens a chat stream with the role, for each output
             for i in range(n):
-                yield _sse(chunk(i, "", None, role=True))
+                data = chunk(i, "", None, role=True)
+                if continuous:
+                    data["usage"] = usage(i)
+                yield _sse(data)
         event = first
         finals = []
         while True:
             final = event["event"] == "final"
             i = event.get("index", 0)
+            num_prompt[i] = event.get("num_prompt_tokens", num_prompt[i])
             if "prompt_text" in event:  # an echo: the prompt first, as its own chunk
-                yield _sse(chunk(i, event["prompt_text"], None, logprobs=event.get("prompt_logprobs")))
+                data = chunk(i, event["prompt_text"], None, logprobs=event.get("prompt_logprobs"))
+                if continuous:
+                    data["usage"] = usage(i)
+                yield _sse(data)
             if drop:
                 event = _without_output(event)
+            num_output[i] += len(event.get("token_ids", []))
             if event.get("text") or event.get("token_ids") or final:
                 finish = call_finish_reason(calls, event["finish_reason"]) if final else None
                 data = chunk(i, event.get("text", ""), finish, logprobs=event.get("logprobs"))
@@ -681,6 +701,8 @@ class Ingress:
                     data["choices"][0]["token_ids"] = event.get("token_ids", [])
                 if final:
                     data["speculation"] = event["speculation"]
+                if continuous:
+                    data["usage"] = usage(i)
                 yield _sse(data)
             if final:
                 finals.append(event)

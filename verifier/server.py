@@ -18,9 +18,9 @@ When the request asks for log probabilities (`GenerateInput.logprobs`), deltas a
 final event also carry "logprobs": one entry per token of "token_ids",
   {"token_id", "token", "bytes", "logprob", "top_logprobs": [{"token_id", "token", "bytes", "logprob"}]}
 ("token": the token's text, `Tokenizer.token_text`; "bytes": its bytes as ints). An
-output's first event also carries "prompt_text" when the request asks for `echo`, and
-"prompt_logprobs" (entries as above, one per prompt token, the first's logprob None)
-when it asks for `prompt_logprobs`.
+output's first event also carries "num_prompt_tokens", "prompt_text" when the request
+asks for `echo`, and "prompt_logprobs" (entries as above, one per prompt token, the
+first's logprob None) when it asks for `prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -224,8 +224,9 @@ class VerifierServer:
                 async for i, out in stream:
                     extra = {} if out.logprobs is None else {"logprobs": logprob_entries(tok, out.logprobs,
                                                                                          out.token_ids)}
-                    if i not in started:  # an output's first event: the prompt, where asked
+                    if i not in started:  # an output's first event: its prompt's length, the prompt where asked
                         started.add(i)
+                        extra["num_prompt_tokens"] = len(prompt_ids)
                         if prompt_text is not None:
                             extra["prompt_text"] = prompt_text
                         if out.prompt_logprobs is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import json
 import os
 import re
@@ -653,14 +654,24 @@ def test_a_batch_of_prompts_in_one_completions_request(main_app, tokenizer, gree
     assert [c.text for c in r.choices] == [_text(tokenizer, w) for w in (want[0], want[0], want[1], want[1])]
     assert r.usage.prompt_tokens == len(prompts[0]) + len(prompts[1])
     assert r.usage.completion_tokens == 2 * (len(want[0]) + len(want[1]))
+    # vLLM's continuous_usage_stats: each chunk has its output's usage so far.
+    options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = list(client.completions.create(model=MODEL, prompt=texts, max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}, extra_body=extra))
+                                            stream=True, stream_options=options, extra_body=extra))
     got: dict[int, list[int]] = collections.defaultdict(list)
-    for chunk in chunks:
-        for c in chunk.choices:
-            got[c.index] += c.model_extra.get("token_ids") or []
+    for chunk in chunks[:-1]:
+        c, = chunk.choices
+        got[c.index] += c.model_extra.get("token_ids") or []
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (len(prompts[c.index]),
+                                                                              len(got[c.index]))
     assert dict(got) == {0: want[0], 1: want[1]}
-    assert chunks[-1].usage.prompt_tokens == len(prompts[0]) + len(prompts[1])
+    assert chunks[-1].usage.prompt_tokens == len(prompts[0]) + len(prompts[1]) and not chunks[-1].choices
+    chat = list(client.chat.completions.create(model=MODEL, messages=edit_conversations[0], max_tokens=8,
+                                               temperature=0, stream=True, extra_body=extra,
+                                               stream_options={"continuous_usage_stats": True}))
+    assert [c.usage.completion_tokens for c in chat] == [0, *itertools.accumulate(
+        len(c.choices[0].model_extra["token_ids"]) for c in chat[1:])]
+    assert {c.usage.prompt_tokens for c in chat} == {len(prompts[0])} and chat[-1].usage.completion_tokens == 8
     with pytest.raises(openai.BadRequestError) as info:
         _client(main_app, max_retries=0).completions.create(model=MODEL, prompt=[texts[0], "word " * 1100],
                                                             max_tokens=4)
