@@ -124,8 +124,8 @@ class CallReader:
 
 @dataclasses.dataclass(frozen=True)
 class Calls:
-    """The output is tool calls: one call of the function `name`
-    (its arguments are the text), or, for name None, `tool_choice: "required"`'s array."""
+    """The output is tool calls: one call of the function `name` (its arguments are the
+    text), or, for name None, `tool_choice: "required"`'s array."""
 
     name: str | None
 
