@@ -177,6 +177,9 @@ class ChatCompletionBody(_Common):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     tools: list[Tool] | None = None
+    add_generation_prompt: bool = True  # vLLM extension: open the assistant's turn
+    continue_final_message: bool = False  # vLLM extension: the output continues the last message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: more template variables
     #: Default: "auto" when tools are given (refused: no tool-call parser), else "none".
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     #: False: "required" makes one call, not one or more.
@@ -191,6 +194,8 @@ class TokenizeBody(_Body):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     #: None: as a request is prefilled (a text with the model's BOS, a conversation without:
     #: its template writes it).
     add_special_tokens: bool | None = None
@@ -789,7 +794,9 @@ class Ingress:
             common = _common_input(body, rid, max_tokens, logprobs)
             calls, common["structured_output"] = _tool_calls(body, common["structured_output"])
             tools = None if body.tools is None else tuple(t.model_dump(exclude_none=True) for t in body.tools)
-            inp = GenerateInput(messages=messages, tools=tools, **common)
+            inp = GenerateInput(messages=messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+                                continue_final_message=body.continue_final_message,
+                                chat_template_kwargs=tuple((body.chat_template_kwargs or {}).items()), **common)
         except ApiError as exc:
             return exc.response()
         return await self._run(body, inp, chat=True, calls=calls)
@@ -806,7 +813,9 @@ class Ingress:
                 "prompt": body.prompt,
                 "messages": None if body.messages is None else _chat_messages(body.messages),
                 "tools": None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools],
-                "add_generation_prompt": body.add_generation_prompt, "add_special_tokens": body.add_special_tokens})
+                "add_generation_prompt": body.add_generation_prompt, "add_special_tokens": body.add_special_tokens,
+                "continue_final_message": body.continue_final_message,
+                "chat_template_kwargs": body.chat_template_kwargs})
             if "error" in out:
                 raise ApiError(400, out["error"]["message"], out["error"]["param"])
         except ApiError as exc:

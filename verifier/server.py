@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 from verifier.engine import Engine
 from verifier.errors import InvalidRequestError, OverloadedError
@@ -51,6 +51,11 @@ class GenerateInput:
     #: OpenAI tool definitions the chat template renders with `messages` (the calls
     #: themselves are a `structured_output`: `cluster.tool_calls`).
     tools: tuple[dict[str, Any], ...] | None = None
+    #: vLLM's chat options (`prompt_token_ids`): the assistant's turn opened after the
+    #: messages, or the last message left open; more variables for the chat template.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     prompt_token_ids: tuple[int, ...] | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -111,20 +116,38 @@ def logprob_entries(tokenizer, logprobs: Sequence[TokenLogprob | None],
 
 def prompt_token_ids(tokenizer, prompt: str | None, messages: Sequence[dict[str, Any]] | None,
                      tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-                     add_special_tokens: bool | None = None) -> list[int]:
+                     add_special_tokens: bool | None = None, continue_final_message: bool = False,
+                     template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """The ids a prompt is prefilled with. A text is encoded with the tokenizer's special
     tokens (a BOS where the model adds one); a conversation is rendered by the chat
     template, which writes its own (`bos_token`), and encoded without them, as HF
     transformers and vLLM do: a Llama 3 prompt starts with one BOS, not two.
-    `add_special_tokens` None keeps those defaults."""
+    `add_special_tokens` None keeps those defaults.
+
+    vLLM's chat options: `continue_final_message` leaves the last message open (the
+    rendering is cut right after its content, so the output continues it; it excludes
+    `add_generation_prompt`), and `template_kwargs` are more variables for the template
+    (e.g. `enable_thinking`)."""
     if messages is not None:
         if not messages:
             raise InvalidRequestError("messages", "must not be empty")
         for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidRequestError(f"messages[{i}]", "needs a string 'role' and a string 'content'")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message", "cannot be combined with add_generation_prompt "
+                                                                "(set it to false)")
         text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                                             tools=None if tools is None else list(tools))
+                                             tools=None if tools is None else list(tools),
+                                             template_kwargs=template_kwargs)
+        if continue_final_message:
+            last = messages[-1]["content"]
+            end = text.rfind(last) if last else -1
+            if last and end < 0:
+                raise InvalidRequestError("continue_final_message", "the chat template does not write the final "
+                                                                    "message's content as it is")
+            if last:
+                text = text[:end + len(last)]
         return tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
     if not prompt:
         raise InvalidRequestError("prompt", "must not be empty")
@@ -152,7 +175,9 @@ class VerifierServer:
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
         else:
-            ids = prompt_token_ids(self.engine.tokenizer, req.prompt, req.messages, req.tools)
+            ids = prompt_token_ids(self.engine.tokenizer, req.prompt, req.messages, req.tools,
+                                   req.add_generation_prompt, None, req.continue_final_message,
+                                   dict(req.chat_template_kwargs))
         keep = req.truncate_prompt_tokens
         if keep is not None:
             if isinstance(keep, bool) or not isinstance(keep, int) or not (keep >= 1 or keep == -1):
@@ -162,13 +187,15 @@ class VerifierServer:
 
     def tokenize(self, prompt: str | None = None, messages: Sequence[dict[str, Any]] | None = None,
                  tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-                 add_special_tokens: bool | None = None) -> dict[str, Any]:
+                 add_special_tokens: bool | None = None, continue_final_message: bool = False,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """What a request with this prompt or conversation is prefilled with (vLLM's
         `/tokenize`): {"count", "max_model_len", "tokens", "token_strs"}."""
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("prompt", "give exactly one of prompt, messages")
         tok = self.engine.tokenizer
-        ids = prompt_token_ids(tok, prompt, messages, tools, add_generation_prompt, add_special_tokens)
+        ids = prompt_token_ids(tok, prompt, messages, tools, add_generation_prompt, add_special_tokens,
+                               continue_final_message, chat_template_kwargs)
         return {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids,
                 "token_strs": [tok.token_text(t) for t in ids]}
 

@@ -297,6 +297,29 @@ def test_user_defined_tokens_are_whole_but_not_special(tmp_path) -> None:
     assert tiny.decode(ids, skip_special_tokens=True) == "a<think>b"
 
 
+def test_chat_options(tok: Tokenizer) -> None:
+    """vLLM's continue_final_message leaves the last message open (the text stops right
+    after its content); chat_template_kwargs reach the template as variables."""
+    from verifier.server import prompt_token_ids
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    text = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHello, I am")
+    ids = prompt_token_ids(tok, None, chat, add_generation_prompt=False, continue_final_message=True)
+    assert ids == tok.encode(text, add_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt") as info:
+        prompt_token_ids(tok, None, chat, continue_final_message=True)
+    assert info.value.param == "continue_final_message"
+    thinking = Tokenizer(tok.backend, vocab_size=tok.vocab_size, bos_token_id=1, eos_token_ids=frozenset({2}),
+                         bos_token="<|im_start|>", eos_token="<|im_end|>",
+                         chat_template="{% if enable_thinking %}think{% else %}answer{% endif %}")
+    assert thinking.apply_chat_template([], template_kwargs={"enable_thinking": True}) == "think"
+    assert thinking.apply_chat_template([]) == "answer"
+    with pytest.raises(InvalidRequestError) as info:
+        thinking.apply_chat_template([], template_kwargs={"messages": []})
+    assert info.value.param == "chat_template_kwargs"
+
+
 def test_a_conversation_starts_with_the_templates_bos_alone(tmp_path) -> None:
     # A Llama 3 style tokenizer adds a BOS, and its template writes one: a conversation is
     # encoded without the tokenizer's, as HF and vLLM do; a text keeps it.

@@ -313,11 +313,14 @@ class Tokenizer:
         return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """Render `messages` with the model's chat template, as transformers does (sandboxed
         jinja2, `trim_blocks`/`lstrip_blocks`, `bos_token`/`eos_token`, `raise_exception`).
         `tools` (OpenAI's tool definitions) reach the template as its `tools` variable, as
         transformers passes them; a template that does not read them renders without them.
+        `template_kwargs` are more variables (vLLM's `chat_template_kwargs`, e.g.
+        `enable_thinking`); they cannot replace the ones named here.
 
         Raises `InvalidRequestError` (a `ValueError`) when the model has no chat template or
         the template rejects the conversation (e.g. roles that do not alternate, or a
@@ -327,8 +330,12 @@ class Tokenizer:
             raise InvalidRequestError(
                 "messages", "this model has no chat template; send a plain prompt to the completions API"
             )
+        named = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(template_kwargs or ())
+        if named:
+            raise InvalidRequestError("chat_template_kwargs", f"cannot set {sorted(named)}")
         try:
             return self._compiled_template.render(
+                **(template_kwargs or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token or "",
