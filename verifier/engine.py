@@ -556,7 +556,8 @@ class Engine:
             row_context=(RowContext(prompt, {*params.stop_token_ids, *(() if params.ignore_eos else self._eos_ids)},
                                     None if params.structured_output is None else
                                     self._grammars.matcher(params.structured_output),
-                                    bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else ())
+                                    bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else (),
+                                    params.allowed_token_ids)
                          if params.processed else None),
         )
 
@@ -706,12 +707,11 @@ class Engine:
         them unless it would write the forced text in other tokens: a JSON schema's keys
         and enum values are most of a short object's tokens (19 of 37 in one with three
         long keys), each drafted at once after its opening quote."""
-        policy_off = self.controller.settings.policy == "off"  # whatever proposers there are
         for work in works:
             context = work.seq.row_context
+            # The controller gives policy_off whatever proposers there are (mode on aside).
             if (context is None or context.grammar is None or work.draft_token_ids.size
-                    or work.reason in ("request_off", "policy_off", "length")
-                    or (policy_off and work.seq.mode != "on")):
+                    or work.reason in ("request_off", "policy_off", "length")):
                 continue
             k = self._clamp_k(work.seq, self.config.max_k)
             forced = context.grammar.forced()[:k] if k else []

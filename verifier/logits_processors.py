@@ -58,19 +58,22 @@ def bad_word_token_ids(tokenizer, words: Iterable[str]) -> list[tuple[int, ...]]
 class RowContext:
     """What one sequence's processing reads: its output's token counts and length, its
     prompt's tokens (repetition penalty), the ids that would end it (min_tokens), the
-    token sequences of its bad words with the output's last tokens, and its grammar's
-    matcher (structured outputs)."""
+    token sequences of its bad words with the output's last tokens, the ids it may hold
+    (`allowed_token_ids`) and its grammar's matcher (structured outputs)."""
 
     def __init__(self, prompt_token_ids: Iterable[int], stop_token_ids: Iterable[int] = (),
-                 grammar: GrammarMatcher | None = None, bad_words: Sequence[Sequence[int]] = ()) -> None:
+                 grammar: GrammarMatcher | None = None, bad_words: Sequence[Sequence[int]] = (),
+                 allowed_token_ids: Iterable[int] | None = None) -> None:
         self.prompt_tokens = frozenset(prompt_token_ids)
         self.stop_token_ids = sorted(stop_token_ids)
         self.counts: collections.Counter[int] = collections.Counter()
         self.num_output = 0
         self.grammar = grammar
-        self.bad_words = [tuple(w) for w in bad_words if w]
-        self.bad_single = sorted({w[0] for w in self.bad_words if len(w) == 1})
-        self.bad_multi = [w for w in self.bad_words if len(w) > 1]
+        words = [tuple(w) for w in bad_words if w]
+        self.bad_single = sorted({w[0] for w in words if len(w) == 1})
+        self.bad_multi = [w for w in words if len(w) > 1]
+        #: int64 [m], once per sequence, not per pass; None: every id.
+        self.allowed = None if allowed_token_ids is None else np.array(sorted(set(allowed_token_ids)), np.int64)
         #: The output's last tokens, as many as the longest bad word's prefix.
         self.tail: list[int] = []
         self._tail_len = max((len(w) - 1 for w in self.bad_multi), default=0)
@@ -105,12 +108,11 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, context: RowConte
     bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
     bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
     penalised = r != 1.0 or f or s
-    if params.allowed_token_ids is not None:  # every row alike; numpy: one thread (see GrammarMatcher)
+    if context.allowed is not None:  # every row alike; numpy: one thread (see GrammarMatcher)
         z = logits.numpy()
-        allowed = np.fromiter(set(params.allowed_token_ids), dtype=np.int64)
-        kept = z[:, allowed]
+        kept = z[:, context.allowed]
         z.fill(float("-inf"))
-        z[:, allowed] = kept
+        z[:, context.allowed] = kept
     for i, path in enumerate(paths):
         # The output's counts with the path's drafts: a copy per row, so only for the penalties
         # (a request with a grammar alone, say, reads none of it).
@@ -128,7 +130,7 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, context: RowConte
             row[bias_ids] += bias
         if context.num_output + len(path) < params.min_tokens and context.stop_token_ids:
             row[context.stop_token_ids] = float("-inf")
-        if context.bad_words and (banned := context.banned(path)):
+        if (context.bad_single or context.bad_multi) and (banned := context.banned(path)):
             row[banned] = float("-inf")
     if context.grammar is not None:
         context.grammar.mask_rows(logits, paths)

@@ -71,7 +71,7 @@ def test_bad_words_by_hand():
 
 def test_allowed_token_ids_by_hand():
     # Every row keeps only ids 1 and 3, with the values processing gave them (bias on 3).
-    context = RowContext([])
+    context = RowContext([], allowed_token_ids=(3, 1, 3))
     logits = torch.tensor([[0.5, 1.0, 2.0, 3.0], [4.0, -1.0, 0.0, 1.0]])
     process_rows(logits, SamplingParams(allowed_token_ids=(3, 1, 3), logit_bias=((3, 1.0),)), context, [[], [2]])
     ninf = float("-inf")
