@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(threads)
     engine = engine_from_config(config, model, tokenizer,
                                 {p.method: build_proposer(p.method, dict(p.options)) for p in config.proposers})
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c), add_special_tokens=False) for c in conversations]
+    prompts = [tokenizer.encode_chat(c) for c in conversations]
 
     init_ray(None)
     rows = []

@@ -372,8 +372,7 @@ def recipe_prompts(tokenizer: Tokenizer, cfg: TrainDraftConfig, rng: np.random.G
         if not SELF_PROMPTS_PATH.is_file():
             raise ValueError(f"self_prompts: {SELF_PROMPTS_PATH.name} is missing; `splitspec train prompts` writes it")
         texts += [c[0]["content"] for c in load_prompt_set(SELF_PROMPTS_PATH)]
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
-            for t in texts]
+    return [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
 
 
 def fill_answer_cache(target: LlamaModel, tokenizer: Tokenizer, cfg: TrainDraftConfig, base: str,

@@ -137,18 +137,17 @@ def prompt_token_ids(tokenizer, prompt: str | None, messages: Sequence[dict[str,
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message", "cannot be combined with add_generation_prompt "
                                                                 "(set it to false)")
-        text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                                             tools=None if tools is None else list(tools),
-                                             template_kwargs=template_kwargs)
-        if continue_final_message:
-            last = messages[-1]["content"]
-            end = text.rfind(last) if last else -1
-            if last and end < 0:
-                raise InvalidRequestError("continue_final_message", "the chat template does not write the final "
-                                                                    "message's content as it is")
-            if last:
-                text = text[:end + len(last)]
-        return tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
+        options = dict(add_generation_prompt=add_generation_prompt, tools=None if tools is None else list(tools),
+                       template_kwargs=template_kwargs)
+        last = messages[-1]["content"] if continue_final_message else ""
+        if not last:
+            return tokenizer.encode_chat([dict(m) for m in messages], bool(add_special_tokens), **options)
+        text = tokenizer.apply_chat_template([dict(m) for m in messages], **options)
+        end = text.rfind(last)
+        if end < 0:
+            raise InvalidRequestError("continue_final_message", "the chat template does not write the final "
+                                                                "message's content as it is")
+        return tokenizer.encode(text[:end + len(last)], add_special_tokens=bool(add_special_tokens))
     if not prompt:
         raise InvalidRequestError("prompt", "must not be empty")
     return tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)

@@ -42,7 +42,6 @@ def load_conversations(name: str) -> list[list[dict]]:
 
 
 def load_prompts(name: str, tokenizer) -> list[list[int]]:
-    """Token ids of each conversation rendered with the model's chat template (which
-    writes the BOS, if any: encoded without the tokenizer's, as the server does)."""
-    return [tokenizer.encode(tokenizer.apply_chat_template(c), add_special_tokens=False)
-            for c in load_conversations(name)]
+    """Token ids of each conversation rendered with the model's chat template, as the
+    server prefills them (`Tokenizer.encode_chat`)."""
+    return [tokenizer.encode_chat(c) for c in load_conversations(name)]

@@ -348,6 +348,14 @@ class Tokenizer:
             # e.g. a template that adds a message's content to a string, given none
             raise InvalidRequestError("messages", f"the chat template failed: {type(e).__name__}: {e}") from e
 
+    def encode_chat(self, messages: list[dict[str, Any]], add_special_tokens: bool = False,
+                    **options: Any) -> list[int]:
+        """The ids of `messages` rendered (`apply_chat_template`, with `options`) as a
+        request is prefilled with them: without the tokenizer's special tokens, since the
+        template writes its own BOS (as HF transformers and vLLM encode a conversation; a
+        Llama 3 tokenizer that adds one would otherwise give two)."""
+        return self.encode(self.apply_chat_template(messages, **options), add_special_tokens=add_special_tokens)
+
 
 # --- helpers ---------------------------------------------------------------------------
 
