@@ -233,6 +233,11 @@ def _chat_messages(chat: list[ChatMessage]) -> tuple[dict[str, Any], ...]:
     return tuple(messages)
 
 
+def _tool_dicts(tools: list[Tool] | None) -> tuple[dict[str, Any], ...] | None:
+    """The request's tool definitions as the chat template reads them."""
+    return None if tools is None else tuple(t.model_dump(exclude_none=True) for t in tools)
+
+
 def _arguments(text: str) -> Any:
     try:
         value = json.loads(text)
@@ -256,7 +261,7 @@ def _tool_calls(body: ChatCompletionBody, structured_output: StructuredOutput | 
     if structured_output is not None:
         raise ApiError(400, "tool_choice: a tool call cannot also follow response_format or structured_outputs",
                        "tool_choice")
-    functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
+    functions = [t["function"] for t in _tool_dicts(body.tools)]
     if choice == "required":
         try:
             return Calls(None), tool_choice_output(functions, "required", body.parallel_tool_calls)
@@ -793,8 +798,7 @@ class Ingress:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             common = _common_input(body, rid, max_tokens, logprobs)
             calls, common["structured_output"] = _tool_calls(body, common["structured_output"])
-            tools = None if body.tools is None else tuple(t.model_dump(exclude_none=True) for t in body.tools)
-            inp = GenerateInput(messages=messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+            inp = GenerateInput(messages=messages, tools=_tool_dicts(body.tools), add_generation_prompt=body.add_generation_prompt,
                                 continue_final_message=body.continue_final_message,
                                 chat_template_kwargs=tuple((body.chat_template_kwargs or {}).items()), **common)
         except ApiError as exc:
@@ -807,12 +811,10 @@ class Ingress:
         try:
             body = _parse(TokenizeBody, await _json(request))
             self._check_model(body.model)
-            if (body.prompt is None) == (body.messages is None):
-                raise ApiError(400, "prompt: give exactly one of prompt, messages", "prompt")
-            out = await self._plain.tokenize.remote({
+            out = await self._plain.tokenize.remote({  # which checks that one of prompt, messages is given
                 "prompt": body.prompt,
                 "messages": None if body.messages is None else _chat_messages(body.messages),
-                "tools": None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools],
+                "tools": _tool_dicts(body.tools),
                 "add_generation_prompt": body.add_generation_prompt, "add_special_tokens": body.add_special_tokens,
                 "continue_final_message": body.continue_final_message,
                 "chat_template_kwargs": body.chat_template_kwargs})
