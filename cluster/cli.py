@@ -133,14 +133,23 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stop=tuple(args.stop or ()),
+        stop_token_ids=tuple(args.stop_token_id),
+        include_stop_str_in_output=args.include_stop_str,
+        ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         logit_bias=_logit_bias_arg(args.logit_bias),
         min_tokens=args.min_tokens,
+        bad_words=tuple(args.bad_word),
+        allowed_token_ids=tuple(args.allowed_token_id) if args.allowed_token_id else None,
+        skip_special_tokens=not args.keep_special_tokens,
         structured_output=_structured_output_arg(args),
     ).validate()
+    keep = args.truncate_prompt_tokens
+    if keep is not None and not (keep >= 1 or keep == -1):
+        raise InvalidRequestError("truncate_prompt_tokens", f"must be >= 1, or -1, got {keep}")
     if args.logprobs is not None and not args.json:
         raise InvalidRequestError("logprobs", "are printed with --json only")
     if args.k < 0:
@@ -163,6 +172,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     chat = [{"role": "user", "content": prompt_text}] if args.chat else None
     prompt_ids = prompt_token_ids(tok, None if args.chat else prompt_text, chat)
+    if keep is not None:  # the prompt's last tokens, as the service's truncate_prompt_tokens
+        prompt_ids = prompt_ids[-(engine.config.max_model_len if keep == -1 else keep):]
 
     logprobs: list = []
 
@@ -389,12 +400,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                   help="token id that ends the output like EOS, and is kept in it (repeatable)")
+    g.add_argument("--include-stop-str", action="store_true",
+                   help="the text ends right after the stop string instead of before it")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past the end of sequence, to --max-tokens")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's and HF's, > 0 (default 1: off)")
     g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS (-100 to 100) to token ID's logit (repeatable)")
     g.add_argument("--min-tokens", type=int, default=0, help="no end of sequence before this many tokens")
+    g.add_argument("--bad-word", action="append", default=[], metavar="WORD",
+                   help="never write WORD (its tokens, alone or after a space; repeatable)")
+    g.add_argument("--allowed-token-id", action="append", type=int, default=[], metavar="ID",
+                   help="the output holds only these token ids (repeatable)")
+    g.add_argument("--keep-special-tokens", action="store_true",
+                   help="keep control tokens in the text (the end of sequence that ends it excepted)")
+    g.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
+                   help="keep only the prompt's last N tokens (-1: as many as --max-model-len holds)")
     so = g.add_mutually_exclusive_group()
     so.add_argument("--json-schema", metavar="SCHEMA", help="the output is JSON matching SCHEMA (JSON text, or @FILE)")
     so.add_argument("--json-object", action="store_true", help="the output is a JSON object")

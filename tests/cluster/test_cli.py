@@ -102,6 +102,38 @@ def test_generate_with_an_eagle_fallback_gives_the_same_tokens(ngram_json):
     assert out["stats"]["rounds"] < ngram_json["stats"]["rounds"], (out["stats"], ngram_json["stats"])
 
 
+def test_generate_stops_at_a_stop_token_id_or_right_after_an_included_stop_string(ngram_json):
+    """vLLM's stop_token_ids and include_stop_str_in_output from the command line: the
+    reference is the same request without them (`ngram_json`), cut by hand."""
+    ref_ids, ref_text = ngram_json["token_ids"], ngram_json["text"]
+    stop_id = ref_ids[8]
+    proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40", "--stop-token-id",
+                     str(stop_id), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == ref_ids[: ref_ids.index(stop_id) + 1] and out["finish_reason"] == "stop"
+    proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40", "--stop", "factor",
+                     "--include-stop-str", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["text"] == ref_text[: ref_text.index("factor") + len("factor")] and out["finish_reason"] == "stop"
+
+
+def test_generate_truncates_the_prompt_and_keeps_to_allowed_tokens_without_bad_words(tokenizer):
+    """The prompt's last 3 tokens only (" of France is"); the output only from " Paris",
+    " the", " a" and ".", never " Paris" (a bad word), 6 tokens since EOS is not allowed."""
+    prompt = "The capital of France is"
+    allowed = {tokenizer.encode(w)[0] for w in (" Paris", " the", " a", ".")}
+    assert len(allowed) == 4 and all(len(tokenizer.encode(w)) == 1 for w in (" Paris", " the", " a", "."))
+    ids = [a for w in allowed for a in ("--allowed-token-id", str(w))]
+    proc = splitspec("generate", "--prompt", prompt, "--max-tokens", "6", "--ignore-eos", "--truncate-prompt-tokens",
+                     "3", *ids, "--bad-word", " Paris", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_token_ids"] == tokenizer.encode(prompt)[-3:]
+    assert len(out["token_ids"]) == 6 and set(out["token_ids"]) <= allowed - set(tokenizer.encode(" Paris"))
+
+
 def test_generate_streams_text_then_a_summary(ngram_json):
     proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40")
     assert proc.returncode == 0, proc.stderr
@@ -137,6 +169,10 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--max-tokens", "4", "--min-tokens", "5"], "min_tokens"),
         (["--prompt", "hi", "--grammar", "@no-such-file.lark"], "grammar"),
         (["--prompt", "hi", "--json-schema", "{not json"], "json_schema"),
+        (["--prompt", "hi", "--truncate-prompt-tokens", "0"], "truncate_prompt_tokens"),
+        (["--prompt", "hi", "--stop-token-id", "-1"], "stop_token_ids"),
+        (["--prompt", "hi", "--allowed-token-id", "-1"], "allowed_token_ids"),
+        (["--prompt", "hi", "--bad-word", ""], "bad_words"),
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field, capsys):
