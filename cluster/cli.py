@@ -118,7 +118,7 @@ def _structured_output_arg(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from verifier.sampling_params import SamplingParams
+    from verifier.sampling_params import SamplingParams, check_truncate_prompt_tokens, truncate_prompt
 
     if args.prompt_file is not None:
         prompt_text = pathlib.Path(args.prompt_file).read_text()
@@ -147,9 +147,7 @@ def _generate(args: argparse.Namespace) -> int:
         skip_special_tokens=not args.keep_special_tokens,
         structured_output=_structured_output_arg(args),
     ).validate()
-    keep = args.truncate_prompt_tokens
-    if keep is not None and not (keep >= 1 or keep == -1):
-        raise InvalidRequestError("truncate_prompt_tokens", f"must be >= 1, or -1, got {keep}")
+    check_truncate_prompt_tokens(args.truncate_prompt_tokens)
     if args.logprobs is not None and not args.json:
         raise InvalidRequestError("logprobs", "are printed with --json only")
     if args.k < 0:
@@ -171,9 +169,8 @@ def _generate(args: argparse.Namespace) -> int:
     from verifier.server import prompt_token_ids
 
     chat = [{"role": "user", "content": prompt_text}] if args.chat else None
-    prompt_ids = prompt_token_ids(tok, None if args.chat else prompt_text, chat)
-    if keep is not None:  # the prompt's last tokens, as the service's truncate_prompt_tokens
-        prompt_ids = prompt_ids[-(engine.config.max_model_len if keep == -1 else keep):]
+    prompt_ids = truncate_prompt(prompt_token_ids(tok, None if args.chat else prompt_text, chat),
+                                 args.truncate_prompt_tokens, engine.config.max_model_len)
 
     logprobs: list = []
 

@@ -149,3 +149,15 @@ class SamplingParams:
                 raise InvalidRequestError("min_tokens", f"cannot be combined with {self.structured_output.param}: "
                                                         "a complete grammar allows only the end of the output")
         return self
+
+
+def check_truncate_prompt_tokens(keep: int | None) -> None:
+    """vLLM's `truncate_prompt_tokens`: None, an integer >= 1, or -1."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or not (keep >= 1 or keep == -1)):
+        raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer >= 1, or -1, got {keep!r}")
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (-1: as many as the context holds; None: all)."""
+    check_truncate_prompt_tokens(keep)
+    return ids if keep is None else ids[-(max_model_len if keep == -1 else keep):]

@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from verifier.engine import Engine
 from verifier.errors import InvalidRequestError, OverloadedError
-from verifier.sampling_params import SamplingParams
+from verifier.sampling_params import SamplingParams, truncate_prompt
 from verifier.sequence import TokenLogprob
 from verifier.structured_output import StructuredOutput
 
@@ -177,12 +177,7 @@ class VerifierServer:
             ids = prompt_token_ids(self.engine.tokenizer, req.prompt, req.messages, req.tools,
                                    req.add_generation_prompt, None, req.continue_final_message,
                                    dict(req.chat_template_kwargs))
-        keep = req.truncate_prompt_tokens
-        if keep is not None:
-            if isinstance(keep, bool) or not isinstance(keep, int) or not (keep >= 1 or keep == -1):
-                raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer >= 1, or -1, got {keep!r}")
-            ids = ids[-(self.engine.config.max_model_len if keep == -1 else keep):]
-        return ids
+        return truncate_prompt(ids, req.truncate_prompt_tokens, self.engine.config.max_model_len)
 
     def tokenize(self, prompt: str | None = None, messages: Sequence[dict[str, Any]] | None = None,
                  tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
