@@ -682,14 +682,14 @@ class Ingress:
                 if logprobs is not None:
                     choice["logprobs"] = _completion_logprobs(logprobs, text_offset[i])
                     text_offset[i] += sum(len(e["token"]) for e in logprobs)
-            return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            data = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            if continuous:
+                data["usage"] = usage(i)
+            return data
 
         if chat:  # OpenAI opens a chat stream with the role, for each output
             for i in range(n):
-                data = chunk(i, "", None, role=True)
-                if continuous:
-                    data["usage"] = usage(i)
-                yield _sse(data)
+                yield _sse(chunk(i, "", None, role=True))
         event = first
         finals = []
         while True:
@@ -697,10 +697,7 @@ class Ingress:
             i = event.get("index", 0)
             num_prompt[i] = event.get("num_prompt_tokens", num_prompt[i])
             if "prompt_text" in event:  # an echo: the prompt first, as its own chunk
-                data = chunk(i, event["prompt_text"], None, logprobs=event.get("prompt_logprobs"))
-                if continuous:
-                    data["usage"] = usage(i)
-                yield _sse(data)
+                yield _sse(chunk(i, event["prompt_text"], None, logprobs=event.get("prompt_logprobs")))
             if drop:
                 event = _without_output(event)
             num_output[i] += len(event.get("token_ids", []))
@@ -711,8 +708,6 @@ class Ingress:
                     data["choices"][0]["token_ids"] = event.get("token_ids", [])
                 if final:
                     data["speculation"] = event["speculation"]
-                if continuous:
-                    data["usage"] = usage(i)
                 yield _sse(data)
             if final:
                 finals.append(event)
@@ -798,7 +793,8 @@ class Ingress:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             common = _common_input(body, rid, max_tokens, logprobs)
             calls, common["structured_output"] = _tool_calls(body, common["structured_output"])
-            inp = GenerateInput(messages=messages, tools=_tool_dicts(body.tools), add_generation_prompt=body.add_generation_prompt,
+            inp = GenerateInput(messages=messages, tools=_tool_dicts(body.tools),
+                                add_generation_prompt=body.add_generation_prompt,
                                 continue_final_message=body.continue_final_message,
                                 chat_template_kwargs=tuple((body.chat_template_kwargs or {}).items()), **common)
         except ApiError as exc:

@@ -330,18 +330,13 @@ class Tokenizer:
             raise InvalidRequestError(
                 "messages", "this model has no chat template; send a plain prompt to the completions API"
             )
-        named = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(template_kwargs or ())
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                         bos_token=self._bos_token or "", eos_token=self._eos_token or "", tools=tools)
+        named = variables.keys() & set(template_kwargs or ())
         if named:
             raise InvalidRequestError("chat_template_kwargs", f"cannot set {sorted(named)}")
         try:
-            return self._compiled_template.render(
-                **(template_kwargs or {}),
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos_token or "",
-                eos_token=self._eos_token or "",
-                tools=tools,
-            )
+            return self._compiled_template.render(**(template_kwargs or {}), **variables)
         except _TemplateRaised as e:
             raise InvalidRequestError("messages", str(e)) from e
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
