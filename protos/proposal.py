@@ -61,6 +61,9 @@ class Proposal:
     the first child of each node as the chain when it needs one). Example: the top two
     candidates for the next token, each followed by its best continuation:
     `draft_token_ids [a, b, a2, b2]`, `draft_parents [-1, -1, 0, 1]`.
+    `failed`: no answer came for this sequence this round (its replica erred or was late,
+    `verifier.routing`): no drafts, and the request may not have reached the proposer, so
+    the verifier keeps its delta's base where it was.
     """
 
     seq_id: str
@@ -68,6 +71,7 @@ class Proposal:
     draft_probs: np.ndarray | None = None
     resync: bool = False
     draft_parents: np.ndarray | None = None
+    failed: bool = False
 
 
 @runtime_checkable

@@ -890,11 +890,13 @@ class Engine:
         """A proposal's drafts for `seq` (at most `request.k` positions) and their tree
         parents (None: a chain), with the delta-sync state updated; (None, None, why) when
         there are none: `resync` (the proposer lost the sequence), `proposer_failed`
-        (token ids outside the vocabulary, a malformed tree) or `no_draft`.
+        (no answer for it, token ids outside the vocabulary, a malformed tree) or `no_draft`.
 
         A tree keeps its nodes up to depth k and as many as the cache slot has room for
         (breadth first, so a prefix); its probabilities, if a proposer sent any, are not
         used (a tree's drafts count as one-hot q, `sample_accept_tree`)."""
+        if proposal.failed:  # the request may not have arrived: the next delta starts where this one did
+            return None, None, "proposer_failed"
         if proposal.resync:
             seq.synced_len[method] = 0
             self.stats.num_resyncs += 1

@@ -4,8 +4,10 @@ Each `propose` call is one round: one ProposeRequest carrying every sequence's d
 one ProposeResponse back, within `deadline_s`. Any failure — deadline passed, server
 gone, stream broken — raises `ProposerUnavailableError`, which the engine treats as
 k = 0 for the round (fail open), and drops the stream so the next round opens a fresh
-one. The proposer's per-sequence state lives in the server, not in the stream, so a new
-stream continues where the old one stopped; a restarted server answers `resync`.
+one. A missed deadline raises the subclass `ProposerLateError` (the replica may only be
+slow this round; see `verifier.routing`). The proposer's per-sequence state lives in the
+server, not in the stream, so a new stream continues where the old one stopped; a
+restarted server answers `resync`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 class ProposerUnavailableError(SplitspecError):
     """The proposer did not answer this round in time, or at all."""
+
+
+class ProposerLateError(ProposerUnavailableError):
+    """The proposer did not answer this round within the deadline."""
 
 
 class GrpcProposalSource:
@@ -77,6 +83,9 @@ class GrpcProposalSource:
         except (asyncio.TimeoutError, asyncio.InvalidStateError, grpc.RpcError, ConnectionError, ValueError) as exc:
             self._released = released + self._released  # not delivered: send again
             self._drop_stream()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise ProposerLateError(f"proposer {self.method} at {self.address} missed the round's "
+                                        f"{self.deadline_s * 1000:.0f} ms deadline") from exc
             raise ProposerUnavailableError(f"proposer {self.method} at {self.address}: {exc!r}") from exc
         return _to_proposals(requests, response)
 

@@ -10,9 +10,11 @@ sequence whose owner changed is answered `resync` locally (no RPC) so the engine
 full context to the new owner next round; the old owner is told to release it.
 
 Failure is per replica and never fails a request: a replica that errs or misses the
-deadline yields empty drafts (k = 0 this round) for its sequences and sits out
-`cooldown_s`, during which its sequences hash to the remaining replicas. The replica set
-itself comes from outside (`set_replicas`), e.g. a discovery loop in `cluster`.
+deadline yields empty drafts (k = 0 this round) for its sequences. One that errs (stream
+broken, server gone), or misses `late_rounds` deadlines in a row, sits out `cooldown_s`,
+during which its sequences hash to the remaining replicas; one late round alone (a pause
+of the replica or of the machine) costs only that round. The replica set itself comes from
+outside (`set_replicas`), e.g. a discovery loop in `cluster`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from protos.proposal import Proposal, ProposalRequest
 from protos.splitspec.v1 import proposer_pb2
 from verifier.aio import await_all
 from verifier.models.vocab import VocabFingerprint, incompatibility
-from verifier.proposer_client import GrpcProposalSource, ProposerUnavailableError
+from verifier.proposer_client import GrpcProposalSource, ProposerLateError, ProposerUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,8 @@ class RouterStats:
     """Counters since start (exported with the verifier's stats)."""
 
     num_rounds: int = 0
-    num_replica_failures: int = 0
+    num_replica_failures: int = 0  # calls that failed or were late
+    num_cooldowns: int = 0  # times a replica was set aside for `cooldown_s`
     num_moved_sequences: int = 0
     num_replica_set_changes: int = 0
 
@@ -74,7 +77,7 @@ def vocab_incompatibility(target: VocabFingerprint, fingerprint: proposer_pb2.To
 class RoutedProposalSource:
     """Route each sequence to one proposer replica; see the module docstring."""
 
-    def __init__(self, method: str, deadline_s: float = 0.1, cooldown_s: float = 2.0,
+    def __init__(self, method: str, deadline_s: float = 0.1, cooldown_s: float = 2.0, late_rounds: int = 2,
                  info_timeout_s: float = 2.0, target_vocab: VocabFingerprint | None = None,
                  needs_hidden_states: bool = False, hidden_state_layers: Sequence[int] | None = None) -> None:
         self.method = method
@@ -87,12 +90,16 @@ class RoutedProposalSource:
         self.target_vocab = target_vocab
         self.deadline_s = deadline_s
         self.cooldown_s = cooldown_s
+        if late_rounds < 1:
+            raise ValueError(f"late_rounds must be >= 1, got {late_rounds}")
+        self.late_rounds = late_rounds
         self.info_timeout_s = info_timeout_s
         #: address -> why it was refused (e.g. another method behind it)
         self.refused: dict[str, str] = {}
         self.stats = RouterStats()
         self._sources: dict[str, GrpcProposalSource] = {}
         self._down_until: dict[str, float] = {}
+        self._late: dict[str, int] = {}  # address -> deadlines missed in a row
         self._owner: dict[str, str] = {}  # seq_id -> address that holds its state
 
     # ------------------------------------------------------------------ replica set
@@ -125,6 +132,7 @@ class RoutedProposalSource:
             self.refused.pop(address, None)
             source = self._sources.pop(address, None)
             self._down_until.pop(address, None)
+            self._late.pop(address, None)
             if source is not None:
                 await source.close()
         for address in new - old:
@@ -169,7 +177,7 @@ class RoutedProposalSource:
         for i, r in enumerate(requests):
             address = owner_of(r.seq_id, live)
             if address is None:  # no replica at all: nothing to verify this round
-                results[i] = Proposal(r.seq_id, np.zeros(0, np.int32))
+                results[i] = Proposal(r.seq_id, np.zeros(0, np.int32), failed=True)
                 continue
             previous = self._owner.get(r.seq_id)
             if previous != address:
@@ -191,8 +199,10 @@ class RoutedProposalSource:
                                   return_exceptions=True)
         for (address, idx), answer in zip(batches.items(), answers):
             if isinstance(answer, BaseException):
-                self._mark_down(address, answer)
-                answer = [Proposal(requests[i].seq_id, np.zeros(0, np.int32)) for i in idx]
+                self._failed(address, answer)
+                answer = [Proposal(requests[i].seq_id, np.zeros(0, np.int32), failed=True) for i in idx]
+            else:
+                self._late.pop(address, None)
             for i, proposal in zip(idx, answer):
                 results[i] = proposal
         return results  # type: ignore[return-value]
@@ -208,12 +218,21 @@ class RoutedProposalSource:
             if address is not None and address in self._sources:
                 self._sources[address].release([seq_id])
 
-    def _mark_down(self, address: str, exc: BaseException) -> None:
+    def _failed(self, address: str, exc: BaseException) -> None:
+        """A call to `address` failed: cool the replica down, unless it was only late and has
+        not been late `late_rounds` times in a row."""
         self.stats.num_replica_failures += 1
+        if isinstance(exc, ProposerLateError):
+            late = self._late[address] = self._late.get(address, 0) + 1
+            if late < self.late_rounds:
+                logger.warning("%s (%d in a row); its sequences speculate 0 this round", exc, late)
+                return
         if not isinstance(exc, ProposerUnavailableError):
             logger.warning("proposer %s at %s failed unexpectedly: %r", self.method, address, exc)
         else:
             logger.warning("%s; its sequences speculate 0 and move for %.1f s", exc, self.cooldown_s)
+        self._late.pop(address, None)
+        self.stats.num_cooldowns += 1
         self._down_until[address] = time.monotonic() + self.cooldown_s
 
     async def close(self) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cluster.workloads import load_prompts
-from protos.proposal import ProposalRequest
+from protos.proposal import Proposal, ProposalRequest
 from proposers.ngram import NgramProposer
 from proposers.server import ProposerServicer, start_server
 from verifier.engine import Engine, EngineConfig
@@ -129,17 +129,21 @@ def test_idle_sequences_are_dropped_and_bad_deltas_resync():
     asyncio.run(run())
 
 
+async def _generate_through(source, server, model, tokenizer, prompts):
+    """Greedy generation of `prompts` with static k = 4 drafts from `source`; closes both."""
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512), source, Controller.static(4))
+    try:
+        return engine, await engine.generate_all(prompts, GREEDY)
+    finally:
+        await source.close()
+        await server.stop(0)
+
+
 def test_engine_over_grpc_is_exact(model, tokenizer, prompts, expected):
     async def run():
         server, port = await start_server(ProposerServicer(NgramProposer(), max_k=8))
         client = GrpcProposalSource(f"127.0.0.1:{port}", method="ngram", deadline_s=1.0)
-        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=512), client, Controller.static(4))
-        try:
-            results = await engine.generate_all(prompts, GREEDY)
-        finally:
-            await client.close()
-            await server.stop(0)
-        return engine, results
+        return await _generate_through(client, server, model, tokenizer, prompts)
 
     engine, results = asyncio.run(run())
     assert [r.token_ids for r in results] == expected
@@ -173,6 +177,82 @@ def test_proposer_killed_and_restarted_mid_generation(model, tokenizer, prompts,
     s = engine.stats
     assert s.num_proposer_failures >= 2 and s.num_resyncs >= 1
     assert s.num_accepted > accepted_while_down  # speculation resumed after the restart
+
+
+class _StallingNgram(NgramProposer):
+    """An n-gram proposer whose call number `stall_at` (1-based) stalls 1 s and then answers
+    empty without taking its deltas (a replica paused while the message was in flight)."""
+
+    def __init__(self, stall_at: int) -> None:
+        super().__init__()
+        self.stall_at, self.num_calls = stall_at, 0
+
+    async def propose(self, requests):
+        self.num_calls += 1
+        if self.num_calls == self.stall_at:
+            await asyncio.sleep(1.0)
+            return [Proposal(r.seq_id, np.zeros(0, np.int32)) for r in requests]
+        return await super().propose(requests)
+
+
+def test_a_late_round_through_the_router_costs_that_round_only(model, tokenizer, prompts, expected):
+    """The replica misses one round's deadline mid-generation: that round speculates 0, and
+    the next round's deltas start where the lost one's did, so the replica drafts again at
+    once (no resync, no cooldown) and the output is the target's own."""
+    from verifier.routing import RoutedProposalSource
+
+    async def run():
+        proposer = _StallingNgram(stall_at=5)
+        server, port = await start_server(ProposerServicer(proposer, max_k=8))
+        router = RoutedProposalSource("ngram", deadline_s=0.5, cooldown_s=60.0)
+        await router.set_replicas([f"127.0.0.1:{port}"])
+        return *await _generate_through(router, server, model, tokenizer, prompts), router, proposer
+
+    engine, results, router, proposer = asyncio.run(run())
+    assert [r.token_ids for r in results] == expected
+    assert proposer.num_calls > 6 and router.stats.num_replica_failures == 1 and router.stats.num_cooldowns == 0
+    assert engine.stats.num_resyncs == 0
+    assert engine.stats.num_accepted > 0
+
+
+_FIRST_MESSAGE = """
+import asyncio, json, sys
+import cluster.deployments  # what a proposer replica imports before its first message
+from proposers.registry import build_proposer
+from proposers.server import ProposerServicer
+from protos.splitspec.v1 import proposer_pb2
+
+async def main():
+    servicer = ProposerServicer(build_proposer("ngram", {}), max_k=8)
+    message = proposer_pb2.ProposeRequest(round_id=1, sequences=[proposer_pb2.SequenceDelta(
+        seq_id="a", base_len=0, append_token_ids=[1, 2, 3, 1, 2], k=2,
+        trace_context={"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})])
+
+    async def one():
+        yield message
+
+    before = set(sys.modules)
+    answers = [a async for a in servicer.Propose(one(), None)]
+    print(json.dumps({"drafts": list(answers[0].sequences[0].draft_token_ids),
+                      "imported": sorted(set(sys.modules) - before)}))
+
+asyncio.run(main())
+"""
+
+
+def test_a_fresh_n_gram_replicas_first_message_imports_nothing():
+    """A fresh replica answers its first round as fast as the others: handling it imports no
+    module (torch, imported there once, took 2 s, past the round deadline). Counted in a
+    process of its own, from what a proposer replica has imported when it starts."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_MESSAGE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    answer = json.loads(out.stdout.strip().splitlines()[-1])
+    # [1 2 3 1 2]: the 2-gram [1 2] occurs at 0, so the draft is what followed it: [3 1].
+    assert answer == {"drafts": [3, 1], "imported": []}
 
 
 def test_unreachable_proposer_raises_within_the_deadline():

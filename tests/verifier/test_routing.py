@@ -21,7 +21,7 @@ import dataclasses
 import grpc
 import numpy as np
 
-from protos.proposal import ProposalRequest
+from protos.proposal import Proposal, ProposalRequest
 from proposers.ngram import NgramProposer
 from proposers.server import ProposerServicer, start_server
 from verifier.routing import RoutedProposalSource, owner_of
@@ -38,9 +38,14 @@ class CountingSource:
     def __init__(self) -> None:
         self.inner = NgramProposer()
         self.calls: list[list[str]] = []
+        #: Seconds the next calls stall before answering empty, their deltas lost (a paused replica).
+        self.stalls: list[float] = []
 
     async def propose(self, requests):
         self.calls.append([r.seq_id for r in requests])
+        if self.stalls:
+            await asyncio.sleep(self.stalls.pop(0))
+            return [Proposal(r.seq_id, np.zeros(0, np.int32)) for r in requests]
         return await self.inner.propose(requests)
 
     def release(self, seq_ids):
@@ -210,7 +215,7 @@ def test_a_dead_replica_fails_open_then_its_sequences_move():
                     assert p.draft_token_ids.size == 0
                 else:
                     assert p.draft_token_ids.tolist() == _cycle(_base(j), 8, K)
-            assert router.stats.num_replica_failures == 1
+            assert router.stats.num_replica_failures == 1 and router.stats.num_cooldowns == 1  # at once
             assert router.live_addresses() == [live.address]
             assert len(live.source.calls) == 2 and set(live.source.calls[-1]) == on_live
 
@@ -239,6 +244,47 @@ def test_a_dead_replica_fails_open_then_its_sequences_move():
             assert router.stats.num_moved_sequences == 4 and router.stats.num_replica_failures == 1
         finally:
             await _shutdown(router, replicas)
+
+    asyncio.run(run())
+
+
+def test_one_late_round_costs_only_itself_and_late_rounds_in_a_row_cool_the_replica_down():
+    async def run():
+        (replica,) = await _start_replicas(1)
+        router = RoutedProposalSource("ngram", deadline_s=0.3, cooldown_s=60.0, late_rounds=2)
+        try:
+            await router.set_replicas([replica.address])
+            ids = ["s0", "s1"]
+            # Round 1: the replica stalls past the deadline. The round fails open (failed:
+            # the deltas may not have arrived), and the replica stays live.
+            replica.source.stalls = [1.0]
+            proposals = await router.propose([_request(s, j, 0, 7) for j, s in enumerate(ids)])
+            assert all(p.failed and p.draft_token_ids.size == 0 and not p.resync for p in proposals)
+            assert router.stats.num_replica_failures == 1 and router.stats.num_cooldowns == 0
+            assert router.live_addresses() == [replica.address]
+
+            # Round 2: the deltas start where round 1's did (as the engine sends them after a
+            # failed answer); the replica answers in time and drafts.
+            proposals = await router.propose([_request(s, j, 0, 8) for j, s in enumerate(ids)])
+            for j, p in enumerate(proposals):
+                assert not p.failed and not p.resync and p.draft_token_ids.tolist() == _cycle(_base(j), 8, K)
+
+            # Rounds 3 and 4: late twice in a row (the count restarted after round 2's answer):
+            # the second sets the replica aside for cooldown_s.
+            replica.source.stalls = [1.0, 1.0]
+            proposals = await router.propose([_request(s, j, 8, 9) for j, s in enumerate(ids)])
+            assert all(p.failed for p in proposals) and router.live_addresses() == [replica.address]
+            assert router.stats.num_cooldowns == 0
+            proposals = await router.propose([_request(s, j, 8, 9) for j, s in enumerate(ids)])
+            assert all(p.failed for p in proposals) and router.live_addresses() == []
+            assert router.stats.num_replica_failures == 3 and router.stats.num_cooldowns == 1
+
+            # Round 5: no live replica, so no call; every sequence fails open.
+            proposals = await router.propose([_request(s, j, 8, 9) for j, s in enumerate(ids)])
+            assert all(p.failed and p.draft_token_ids.size == 0 for p in proposals)
+            assert len(replica.source.calls) == 4 and router.stats.num_replica_failures == 3
+        finally:
+            await _shutdown(router, [replica])
 
     asyncio.run(run())
 
