@@ -104,10 +104,14 @@ def _structured_output_arg(args: argparse.Namespace):
         except OSError as exc:
             raise InvalidRequestError(param, f"cannot read {value[1:]}: {exc.strerror}") from None
 
+    whitespace = {"disable_any_whitespace": args.disable_any_whitespace, "whitespace_pattern": args.whitespace_pattern}
     if args.json_schema is not None:
-        return StructuredOutput(json=text(args.json_schema, "json_schema"), param="json_schema")
+        return StructuredOutput(json=text(args.json_schema, "json_schema"), param="json_schema", **whitespace)
     if args.json_object:
-        return StructuredOutput(json_object=True, param="json_object")
+        return StructuredOutput(json_object=True, param="json_object", **whitespace)
+    for name, value in whitespace.items():
+        if value not in (False, None):
+            raise InvalidRequestError(name, "applies to --json-schema and --json-object only")
     if args.regex is not None:
         return StructuredOutput(regex=args.regex, param="regex")
     if args.choice:
@@ -137,6 +141,7 @@ def _generate(args: argparse.Namespace) -> int:
         include_stop_str_in_output=args.include_stop_str,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
@@ -148,8 +153,9 @@ def _generate(args: argparse.Namespace) -> int:
         structured_output=_structured_output_arg(args),
     ).validate()
     check_truncate_prompt_tokens(args.truncate_prompt_tokens)
-    if args.logprobs is not None and not args.json:
-        raise InvalidRequestError("logprobs", "are printed with --json only")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(args, name) is not None and not args.json:
+            raise InvalidRequestError(name, "are printed with --json only")
     if args.k < 0:
         raise InvalidRequestError("k", f"must be >= 0, got {args.k}")
     if args.tensor_parallel_size < 1:
@@ -173,6 +179,7 @@ def _generate(args: argparse.Namespace) -> int:
                                  args.truncate_prompt_tokens, engine.config.max_model_len)
 
     logprobs: list = []
+    prompt_logprobs: list = []
 
     async def run() -> tuple[list[int], str, object, str]:
         token_ids: list[int] = []
@@ -181,6 +188,7 @@ def _generate(args: argparse.Namespace) -> int:
             token_ids.extend(out.token_ids)
             pieces.append(out.text)
             logprobs.extend(out.logprobs or ())
+            prompt_logprobs.extend(out.prompt_logprobs or ())
             if not args.json:
                 sys.stdout.write(out.text)
                 sys.stdout.flush()
@@ -208,6 +216,8 @@ def _generate(args: argparse.Namespace) -> int:
             "tensor_parallel_size": args.tensor_parallel_size,
             "stats": summary,
             **({} if args.logprobs is None else {"logprobs": logprob_entries(tok, logprobs, token_ids)}),
+            **({} if args.prompt_logprobs is None else {
+                "prompt_logprobs": logprob_entries(tok, prompt_logprobs, prompt_ids)}),
         }))
     else:
         print()
@@ -422,8 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--regex", help="the whole output matches this regular expression")
     so.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
     so.add_argument("--grammar", metavar="LARK", help="the output matches this Lark grammar (text, or @FILE)")
+    ws = g.add_mutually_exclusive_group()
+    ws.add_argument("--disable-any-whitespace", action="store_true",
+                    help="with --json-schema or --json-object: no whitespace between JSON's tokens")
+    ws.add_argument("--whitespace-pattern", metavar="REGEX", default=None,
+                    help="with --json-schema or --json-object: whitespace between JSON's tokens matches REGEX")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each output token's log probability and the N most likely tokens' (0-20)")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each prompt token's log probability and the N most likely tokens' (0-20)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     _add_engine_args(g)
     g.set_defaults(func=_generate)

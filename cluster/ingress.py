@@ -87,6 +87,9 @@ class StructuredOutputsRequest(_Body):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    #: JSON's whitespace (json, json_object): none, or matches of this regular expression.
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
 
 class _Common(_Body):
@@ -116,6 +119,9 @@ class _Common(_Body):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM extension
     return_token_ids: bool = False  # vLLM extension: output token ids in each choice
+    #: vLLM extension: each prompt token's log probability and this many alternatives'
+    #: (not streamed): completions give them per choice, chat in the response.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
 
 class CompletionBody(_Common):
@@ -314,6 +320,8 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
 def _common_input(body: _Common, request_id: str, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", "stream_options")
+    if body.prompt_logprobs is not None and body.stream:
+        raise ApiError(400, "prompt_logprobs: not available with stream: true (as in vLLM)", "prompt_logprobs")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     spec = body.speculation or SpeculationRequest()
     return dict(
@@ -326,7 +334,7 @@ def _common_input(body: _Common, request_id: str, max_tokens: int | None, logpro
         include_stop_str_in_output=body.include_stop_str_in_output, bad_words=tuple(body.bad_words or ()),
         allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
         skip_special_tokens=body.skip_special_tokens, truncate_prompt_tokens=body.truncate_prompt_tokens,
-        structured_output=_structured_output(body),
+        structured_output=_structured_output(body), prompt_logprobs=body.prompt_logprobs,
     )
 
 
@@ -345,7 +353,8 @@ def _structured_output(body: _Common) -> StructuredOutput | None:
         return None
     schema = so.json_ if so.json_ is None or isinstance(so.json_, str) else json.dumps(so.json_)
     return StructuredOutput(json=schema, json_object=bool(so.json_object), regex=so.regex,
-                            choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar)
+                            choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar,
+                            disable_any_whitespace=so.disable_any_whitespace, whitespace_pattern=so.whitespace_pattern)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -379,27 +388,49 @@ def _completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str
     }
 
 
+def _vllm_prompt_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the prompt's first token, then for each token a
+    map from token id (a string in JSON) to {"logprob", "rank", "decoded_token"}: the prompt's
+    token first, then the alternatives."""
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        return {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}
+
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e["logprob"] is None:
+            out.append(None)
+            continue
+        alternatives = {str(t["token_id"]): one(t) for t in e["top_logprobs"]}
+        out.append({str(e["token_id"]): one(e), **{k: v for k, v in alternatives.items() if k != str(e["token_id"])}})
+    return out
+
+
 def _pb_logprob(e: dict[str, Any]) -> generate_pb2.TokenLogprob:
     return generate_pb2.TokenLogprob(token_id=e["token_id"], token=e["token"], bytes=bytes(e["bytes"]),
-                                     logprob=e["logprob"],
+                                     logprob=e["logprob"], rank=e["rank"],
                                      top_logprobs=[_pb_logprob(t) for t in e.get("top_logprobs", ())])
 
 
 class _Output:
     """One output of a whole (not streamed) response, gathered from its events."""
 
-    def __init__(self, logprobs: bool) -> None:
+    def __init__(self, logprobs: bool, prompt_logprobs: bool) -> None:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
+        self._keep_prompt_logprobs = prompt_logprobs  # asked for as such, not only for an echo
+        self.prompt_logprobs: list[dict[str, Any]] | None = None
         self.final: dict[str, Any] | None = None
 
     def add(self, event: dict[str, Any]) -> None:
         # An echo's prompt comes first (and its logprobs, the first token's None).
         self.text += [event.get("prompt_text", ""), event.get("text", "")]
         self.token_ids.extend(event.get("token_ids", []))
+        if "prompt_logprobs" in event and self._keep_prompt_logprobs:
+            self.prompt_logprobs = event["prompt_logprobs"]
         if self.logprobs is not None:
-            self.logprobs += [*event.get("prompt_logprobs", []), *event.get("logprobs", [])]
+            self.logprobs += [*(event.get("prompt_logprobs", []) if "prompt_text" in event else []),
+                              *event.get("logprobs", [])]
         if event["event"] == "final":
             self.final = event
 
@@ -611,7 +642,8 @@ class Ingress:
         try:
             event = first
             while True:
-                out = outputs.setdefault(event.get("index", 0), _Output(inp.logprobs is not None))
+                out = outputs.setdefault(event.get("index", 0),
+                                         _Output(inp.logprobs is not None, body.prompt_logprobs is not None))
                 out.add(_without_output(event) if drop else event)
                 if sum(o.final is not None for o in outputs.values()) == total:
                     break
@@ -638,15 +670,20 @@ class Ingress:
             choice["finish_reason"] = call_finish_reason(calls, out.final["finish_reason"])
             if token_ids:
                 choice["token_ids"] = out.token_ids
+            if out.prompt_logprobs is not None and not chat:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs)
             if len(outputs) > 1:  # each output's own; the response's sums them
                 choice["speculation"] = out.final["speculation"]
             choices.append(choice)
         finals = [o.final for o in outputs]
-        return {
+        response = {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": self.model_name, "choices": choices, "usage": _usage(finals),
             "speculation": _speculation(finals),
         }
+        if chat and outputs[0].prompt_logprobs is not None:  # one conversation: the same for each output
+            response["prompt_logprobs"] = _vllm_prompt_logprobs(outputs[0].prompt_logprobs)
+        return response
 
     async def _sse_stream(self, rid: str, first: dict[str, Any], stream, chat: bool,
                           include_usage: bool, token_ids: bool, n: int, drop: bool,
@@ -773,7 +810,9 @@ class Ingress:
             # token is generated and dropped.
             drop = body.echo and body.max_tokens == 0
             fields = _common_input(body, rid, 1 if drop else body.max_tokens, body.logprobs)
-            fields.update(echo=body.echo, prompt_logprobs=body.logprobs if body.echo else None)
+            # vLLM's rule: an echo's logprobs are prompt_logprobs', or as many as logprobs asks.
+            fields.update(echo=body.echo, prompt_logprobs=body.prompt_logprobs if body.prompt_logprobs is not None
+                          else body.logprobs if body.echo else None)
             inps = [GenerateInput(prompt_token_ids=tuple(p), **fields) if isinstance(p, list) else
                     GenerateInput(prompt=p, **fields) for p in prompts]
         except ApiError as exc:
@@ -918,7 +957,8 @@ class Ingress:
             fields["structured_output"] = StructuredOutput(**(
                 {"choice": tuple(so.choice.choices)} if kind == "choice" else
                 {"json_object": so.json_object} if kind == "json_object" else
-                {} if kind is None else {kind: getattr(so, kind)}))
+                {} if kind is None else {kind: getattr(so, kind)}), disable_any_whitespace=so.disable_any_whitespace,
+                whitespace_pattern=so.whitespace_pattern if so.HasField("whitespace_pattern") else None)
         if spec.HasField("max_k"):
             fields["speculation_max_k"] = spec.max_k
         if which == "prompt":

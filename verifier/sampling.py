@@ -68,18 +68,21 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
     """Each token's log probability under the raw distribution of its row, log_softmax(z)
-    in float32, and the `num_top` most likely tokens' (highest first; ties by lower id).
+    in float32, its rank there (how many tokens are at least as likely), and the `num_top`
+    most likely tokens' (highest first; ties by lower id).
 
     `logits`: float32 or bf16 [n, V]; `token_ids`: n ids, one per row.
 
-    Example: logits log([0.5, 0.3, 0.2]) and token 1 give log(0.3) with top 2 [(0, log
-    0.5), (1, log 0.3)].
+    Example: logits log([0.5, 0.3, 0.2]) and token 1 give log(0.3), rank 2, with top 2
+    [(0, log 0.5), (1, log 0.3)].
     """
     assert logits.dim() == 2 and logits.shape[0] == len(token_ids), f"{logits.shape=} {len(token_ids)=}"
     logp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
-    chosen = logp.gather(-1, torch.tensor(token_ids, dtype=torch.int64).view(-1, 1)).view(-1).tolist()
+    chosen_t = logp.gather(-1, torch.tensor(token_ids, dtype=torch.int64).view(-1, 1))  # [n, 1]
+    chosen = chosen_t.view(-1).tolist()
+    ranks = (logp >= chosen_t).sum(-1).tolist()
     if num_top <= 0:
-        return [TokenLogprob(t, lp) for t, lp in zip(token_ids, chosen)]
+        return [TokenLogprob(t, lp, rank=rank) for t, lp, rank in zip(token_ids, chosen, ranks)]
     # Every token at or above the num_top-th value, ranked by value then id, so that the
     # top does not depend on how topk orders ties.
     threshold = torch.topk(logp, min(num_top, logp.shape[-1]), dim=-1).values[:, -1:]  # [n, 1]
@@ -87,5 +90,5 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> 
     for r, (t, lp) in enumerate(zip(token_ids, chosen)):
         ids = torch.nonzero(logp[r] >= threshold[r]).view(-1)
         ranked = sorted(zip(logp[r, ids].tolist(), ids.tolist()), key=lambda vi: (-vi[0], vi[1]))[:num_top]
-        out.append(TokenLogprob(t, lp, tuple((i, v) for v, i in ranked)))
+        out.append(TokenLogprob(t, lp, tuple((i, v) for v, i in ranked), ranks[r]))
     return out

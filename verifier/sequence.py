@@ -70,11 +70,14 @@ class SequenceStats:
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
     """One output token's log probability under the target, and the most likely tokens'
-    at its position (`SamplingParams.logprobs` of them, most likely first)."""
+    at its position (`SamplingParams.logprobs` of them, most likely first). `rank`: how
+    many tokens of the vocabulary are at least as likely as it there (1: the most likely),
+    as vLLM counts it."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclasses.dataclass

@@ -16,8 +16,11 @@ carries its output's "index", and each output ends with a "final" event of its o
 "usage" counts the prompt and that output); the stream ends after the n-th.
 When the request asks for log probabilities (`GenerateInput.logprobs`), deltas and the
 final event also carry "logprobs": one entry per token of "token_ids",
-  {"token_id", "token", "bytes", "logprob", "top_logprobs": [{"token_id", "token", "bytes", "logprob"}]}
-("token": the token's text, `Tokenizer.token_text`; "bytes": its bytes as ints). An
+  {"token_id", "token", "bytes", "logprob", "rank",
+   "top_logprobs": [{"token_id", "token", "bytes", "logprob", "rank"}]}
+("token": the token's text, `Tokenizer.token_text`; "bytes": its bytes as ints; "rank":
+how many tokens were at least as likely, 1 for the most likely, an alternative's its
+place in the list). An
 output's first event also carries "num_prompt_tokens", "prompt_text" when the request
 asks for `echo`, and "prompt_logprobs" (entries as above, one per prompt token, the
 first's logprob None) when it asks for `prompt_logprobs`.
@@ -101,16 +104,17 @@ class GenerateInput:
 def logprob_entries(tokenizer, logprobs: Sequence[TokenLogprob | None],
                     token_ids: Sequence[int]) -> list[dict[str, Any]]:
     """The "logprobs" entries of events (module docstring) for `token_ids`; a None (a
-    prompt's first token) gives the token with a None logprob and no alternatives."""
+    prompt's first token) gives the token with a None logprob and rank and no alternatives."""
 
-    def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float | None, rank: int | None) -> dict[str, Any]:
         # -9999 stands for -inf, which JSON cannot carry (as vLLM does).
         return {"token_id": token_id, "token": tokenizer.token_text(token_id),
                 "bytes": list(tokenizer.token_bytes(token_id)),
-                "logprob": None if logprob is None else max(logprob, -9999.0)}
+                "logprob": None if logprob is None else max(logprob, -9999.0), "rank": rank}
 
-    return [{**entry(t, None), "top_logprobs": []} if lp is None else
-            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+    return [{**entry(t, None, None), "top_logprobs": []} if lp is None else
+            {**entry(lp.token_id, lp.logprob, lp.rank),
+             "top_logprobs": [entry(i, v, place) for place, (i, v) in enumerate(lp.top, 1)]}
             for t, lp in zip(token_ids, logprobs)]
 
 

@@ -53,6 +53,10 @@ class StructuredOutput:
     `grammar` (a Lark grammar in llguidance's dialect). `param` is the request field that
     asked for it (`structured_outputs` or `response_format`), which errors name.
 
+    JSON's whitespace between tokens (`json`, `json_object`; vLLM's options): any run of
+    spaces, tabs and newlines by default; none with `disable_any_whitespace`; each a match
+    of the regular expression `whitespace_pattern` if given.
+
     >>> StructuredOutput(choice=("yes", "no")).kind
     'choice'
     """
@@ -63,6 +67,8 @@ class StructuredOutput:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     param: str = "structured_outputs"
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
     def _given(self) -> list[str]:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -97,6 +103,16 @@ class StructuredOutput:
         if self.choice is not None and not (
                 self.choice and all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError(self.param, f"choice must be non-empty strings, got {self.choice!r}")
+        if self.disable_any_whitespace is not False or self.whitespace_pattern is not None:
+            if given[0] not in ("json", "json_object"):
+                raise InvalidRequestError(self.param, "disable_any_whitespace and whitespace_pattern apply to json "
+                                                      f"and json_object only, not {given[0]}")
+            if self.disable_any_whitespace is not False and self.whitespace_pattern is not None:
+                raise InvalidRequestError(self.param, "give disable_any_whitespace or whitespace_pattern, not both")
+            if self.whitespace_pattern is not None and not (
+                    isinstance(self.whitespace_pattern, str) and self.whitespace_pattern):
+                raise InvalidRequestError(self.param, "whitespace_pattern must be a non-empty regular expression, "
+                                                      f"got {self.whitespace_pattern!r}")
         return self
 
     def source(self) -> str:
@@ -104,10 +120,13 @@ class StructuredOutput:
         from llguidance import LLMatcher
 
         kind = self.kind
+        whitespace: dict[str, Any] = {"whitespace_flexible": not self.disable_any_whitespace}
+        if self.whitespace_pattern is not None:
+            whitespace["whitespace_pattern"] = self.whitespace_pattern
         if kind == "json":
-            return LLMatcher.grammar_from_json_schema(self.json)
+            return LLMatcher.grammar_from_json_schema(self.json, defaults=whitespace)
         if kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"})
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=whitespace)
         if kind == "regex":
             return LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":  # Lark string literals take JSON's escapes

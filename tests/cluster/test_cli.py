@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -134,6 +135,27 @@ def test_generate_truncates_the_prompt_and_keeps_to_allowed_tokens_without_bad_w
     assert len(out["token_ids"]) == 6 and set(out["token_ids"]) <= allowed - set(tokenizer.encode(" Paris"))
 
 
+def test_generate_writes_compact_json_and_the_prompts_logprobs(tokenizer):
+    """--json-object --disable-any-whitespace: no whitespace outside the JSON's strings;
+    --prompt-logprobs 1: one entry per prompt token (the first's logprob null), each with
+    its rank and the most likely token's."""
+    proc = splitspec("generate", "--prompt", "Reply with JSON: Alice is 34 and lives in Lyon.", "--chat",
+                     "--max-tokens", "32", "--json-object", "--disable-any-whitespace", "--prompt-logprobs", "1",
+                     "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    text = out["text"]
+    assert text.startswith("{") and not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"?', "", text)), text
+    entries = out["prompt_logprobs"]
+    assert [e["token_id"] for e in entries] == out["prompt_token_ids"]
+    assert entries[0]["logprob"] is None and entries[0]["rank"] is None and entries[0]["top_logprobs"] == []
+    for e in entries[1:]:
+        assert e["logprob"] <= 0 and e["rank"] >= 1 and e["token"] == tokenizer.token_text(e["token_id"])
+        (top,) = e["top_logprobs"]
+        assert top["rank"] == 1 and top["logprob"] >= e["logprob"]
+        assert (top["token_id"] == e["token_id"]) == (e["rank"] == 1)
+
+
 def test_generate_streams_text_then_a_summary(ngram_json):
     proc = splitspec("generate", "--prompt", CODE_PROMPT, "--chat", "--max-tokens", "40")
     assert proc.returncode == 0, proc.stderr
@@ -173,6 +195,11 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--stop-token-id", "-1"], "stop_token_ids"),
         (["--prompt", "hi", "--allowed-token-id", "-1"], "allowed_token_ids"),
         (["--prompt", "hi", "--bad-word", ""], "bad_words"),
+        (["--prompt", "hi", "--prompt-logprobs", "1"], "prompt_logprobs"),  # printed with --json only
+        (["--prompt", "hi", "--json", "--prompt-logprobs", "21"], "prompt_logprobs"),
+        (["--prompt", "hi", "--regex", "a+", "--disable-any-whitespace"], "disable_any_whitespace"),
+        (["--prompt", "hi", "--whitespace-pattern", " "], "whitespace_pattern"),
+        (["--prompt", "hi", "--json-object", "--whitespace-pattern", ""], "json_object"),
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field, capsys):

@@ -342,6 +342,62 @@ def test_echo_scores_the_prompt_and_continues_it(main_app, model, tokenizer, gre
     assert all(not m.prompt_logprobs for m in messages[1:])
 
 
+def _check_prompt_logprobs(tokenizer, hf_model, prompt: list[int], got: list, num_top: int) -> None:
+    """vLLM's `prompt_logprobs` for `prompt`, checked against HF transformers' logits on the
+    same weights: the prompt's token first with its log probability and rank, then the
+    `num_top` most likely tokens' (ranked 1 to `num_top`), the prompt's token listed once."""
+    import torch
+
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    assert len(got) == len(prompt) and got[0] is None
+    for j, entry in enumerate(got[1:]):
+        token, row = prompt[j + 1], ref[j]
+        (first_id, first), *alternatives = ((int(k), v) for k, v in entry.items())
+        assert first_id == token and first["decoded_token"] == tokenizer.token_text(token)
+        assert first["logprob"] == pytest.approx(float(row[token]), abs=1e-4), j
+        # Its rank: how many tokens are at least as likely (within the two models' rounding).
+        assert int((row > row[token] + 1e-3).sum()) < first["rank"] <= int((row >= row[token] - 1e-3).sum()), j
+        assert len(alternatives) == num_top - (first["rank"] <= num_top), j
+        assert len({e["rank"] for _, e in alternatives}) == len(alternatives)
+        lowest = float(torch.topk(row, num_top).values[-1]) if num_top else 0.0
+        for t, e in alternatives:
+            assert 1 <= e["rank"] <= num_top and e["decoded_token"] == tokenizer.token_text(t)
+            assert e["logprob"] == pytest.approx(float(row[t]), abs=1e-4) and e["logprob"] >= lowest - 1e-3, j
+
+
+def test_prompt_logprobs_over_http_are_hf_transformers_own(main_app, tokenizer, hf_model):
+    """vLLM's `prompt_logprobs` extension: per choice on completions (a batch's prompts each
+    their own), once on chat (n = 2 shares one prompt); over gRPC the same ranks."""
+    client = _client(main_app)
+    texts = ["The capital of France is Paris. The capital of Italy is", "def add(a, b):\n    return a"]
+    r = client.completions.create(model=MODEL, prompt=texts, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    assert len(r.choices) == 2
+    for text, choice in zip(texts, r.choices):
+        _check_prompt_logprobs(tokenizer, hf_model, tokenizer.encode(text), choice.model_extra["prompt_logprobs"], 2)
+    # Not asked (an echo's logprobs included): no prompt_logprobs.
+    r = client.completions.create(model=MODEL, prompt=texts[0], max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert "prompt_logprobs" not in r.choices[0].model_extra and r.choices[0].logprobs.token_logprobs[0] is None
+    # Chat: the rendered conversation's tokens, once for both outputs.
+    chat = [{"role": "user", "content": "Name a colour."}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(chat), add_special_tokens=False)
+    r = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, n=2, temperature=0.8,
+                                       extra_body={"prompt_logprobs": 0})
+    assert r.usage.prompt_tokens == len(ids) and len(r.choices) == 2
+    got = r.model_extra["prompt_logprobs"]
+    _check_prompt_logprobs(tokenizer, hf_model, ids, got, 0)
+    # gRPC: every TokenLogprob carries its rank, the same as HTTP's.
+    messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+        prompt=texts[0], max_tokens=1, temperature=0.0, prompt_logprobs=2))
+    entries = messages[0].prompt_logprobs
+    http = client.completions.create(model=MODEL, prompt=texts[0], max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
+    assert not entries[0].HasField("rank")
+    assert [e.rank for e in entries[1:]] == [d[str(e.token_id)]["rank"] for e, d in zip(entries[1:], http[1:])]
+    assert [[t.rank for t in e.top_logprobs] for e in entries[1:]] == [[1, 2]] * (len(entries) - 1)
+
+
 def test_grpc_logprobs_are_the_targets_own(main_app, tokenizer, edit_conversations, with_logprobs):
     for conversation, (_, want) in zip(edit_conversations, with_logprobs):
         messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
@@ -515,6 +571,22 @@ def test_structured_outputs_over_http_and_grpc(main_app, model, tokenizer):
             prompt_token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, temperature=0.0,
             speculation=generate_pb2.Speculation(mode="on"), structured_outputs=so))
         assert [t for m in messages for t in m.token_ids] == expected and messages[-1].finish_reason == "stop"
+    # JSON's whitespace: none over HTTP, single spaces over gRPC (vLLM's options).
+    compact, spaced = (StructuredOutput(json=json.dumps(person), **kw) for kw in (
+        {"disable_any_whitespace": True}, {"whitespace_pattern": " "}))
+    want = [r.token_ids for r in engine.generate_sync(
+        prompts[:2], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_output=s)
+                      for s in (compact, spaced)])]
+    r = client.chat.completions.create(model=MODEL, messages=conversations[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={**extra, "structured_outputs": {
+                                           "json": person, "disable_any_whitespace": True}})
+    content = r.choices[0].message.content
+    assert r.choices[0].model_extra["token_ids"] == want[0] and " " not in content.replace("Alice Martin", "")
+    messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+        prompt_token_ids=generate_pb2.TokenIds(ids=prompts[1]), max_tokens=MAX_TOKENS, temperature=0.0,
+        speculation=generate_pb2.Speculation(mode="on"),
+        structured_outputs=generate_pb2.StructuredOutputs(json=json.dumps(person), whitespace_pattern=" ")))
+    assert [t for m in messages for t in m.token_ids] == want[1]
 
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["location", "unit"],
@@ -786,6 +858,11 @@ def test_ten_concurrent_streams(main_app, tokenizer, greedy):
     ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
     ({"extra_body": {"allowed_token_ids": [49152]}}, "allowed_token_ids"),  # beyond the vocabulary
     ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+    ({"extra_body": {"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"json_object": True, "whitespace_pattern": "(a"}}}, "structured_outputs"),
+    ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+    ({"extra_body": {"prompt_logprobs": "2"}}, "prompt_logprobs"),
+    ({"extra_body": {"prompt_logprobs": 2}, "stream": True}, "prompt_logprobs"),
 ])
 def test_bad_input_is_400_naming_the_field(main_app, kwargs, param):
     client = _client(main_app, max_retries=0)

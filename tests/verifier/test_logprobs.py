@@ -38,6 +38,11 @@ def test_token_logprobs_by_hand():
     assert [t for t, _ in out[1].top] == [1, 2]  # the tie is ranked by id
     assert [v for _, v in out[1].top] == pytest.approx([1 - math.log(z)] * 2, abs=1e-6)
     assert [o.top for o in token_logprobs(logits, [2, 2], 0)] == [(), ()]
+    # Ranks count the tokens at least as likely: 0.3 is second; in row 1 token 0 is last,
+    # and the tied ids 1 and 2 both count 2 (vLLM's rule).
+    assert [o.rank for o in out] == [2, 3]
+    assert [o.rank for o in token_logprobs(logits, [0, 1], 0)] == [1, 2]
+    assert [o.rank for o in token_logprobs(logits, [2, 2], 1)] == [3, 2]
     # More alternatives than the vocabulary: all of them.
     assert [t for t, _ in token_logprobs(logits[:1], [0], 7)[0].top] == [0, 1, 2]
 
@@ -173,4 +178,6 @@ def test_prompt_logprobs_equal_hf_in_passes_beside_other_sequences(model, tokeni
         for j, lp in enumerate(r.prompt_logprobs[1:]):
             assert lp.token_id == prompt[j + 1]
             assert lp.logprob == pytest.approx(float(ref[j, prompt[j + 1]]), abs=1e-4), j
+            row = ref[j]
+            assert int((row > lp.logprob + 1e-3).sum()) < lp.rank <= int((row >= lp.logprob - 1e-3).sum()), j
             assert [v for _, v in lp.top] == pytest.approx(torch.topk(ref[j], 2).values.tolist(), abs=1e-4)

@@ -90,6 +90,29 @@ def test_rows_are_masked_after_their_own_paths(tokenizer, compiler):
         _prefix_tokens(tokenizer, ["d"]), {eos}]
 
 
+def _starts(tokenizer, allowed: np.ndarray) -> set[bytes]:
+    """The first bytes of the allowed tokens (end of sequence aside)."""
+    return {tokenizer.token_bytes(t)[:1] for t in np.flatnonzero(allowed).tolist()
+            if t not in tokenizer.eos_token_ids}
+
+
+def test_json_whitespace_by_hand(tokenizer, compiler):
+    """After a JSON object's `{`: by default a key's quote, the closing brace or whitespace
+    may follow; with disable_any_whitespace no whitespace; with whitespace_pattern " " a
+    space but no newline."""
+    brace = _single(tokenizer, "{")
+    starts = {}
+    for name, spec in (("default", StructuredOutput(json_object=True)),
+                       ("none", StructuredOutput(json_object=True, disable_any_whitespace=True)),
+                       ("space", StructuredOutput(json_object=True, whitespace_pattern=" "))):
+        m = compiler.matcher(spec)
+        m.accept([brace])
+        starts[name] = _starts(tokenizer, m.allowed())
+    assert {b'"', b"}", b" ", b"\n"} <= starts["default"]
+    assert starts["none"] == {b'"', b"}"}
+    assert starts["space"] == {b'"', b"}", b" "}
+
+
 @pytest.mark.parametrize("spec, param", [
     (StructuredOutput(), "structured_outputs"),
     (StructuredOutput(regex="a", choice=("a",)), "structured_outputs"),
@@ -101,6 +124,11 @@ def test_rows_are_masked_after_their_own_paths(tokenizer, compiler):
     (StructuredOutput(choice=()), "structured_outputs"),
     (StructuredOutput(choice=("a", "")), "structured_outputs"),
     (StructuredOutput(grammar="start: undefined_rule", param="grammar"), "grammar"),
+    (StructuredOutput(regex="a+", disable_any_whitespace=True), "structured_outputs"),  # JSON only
+    (StructuredOutput(choice=("a",), whitespace_pattern=" ", param="response_format"), "response_format"),
+    (StructuredOutput(json_object=True, disable_any_whitespace=True, whitespace_pattern=" "), "structured_outputs"),
+    (StructuredOutput(json_object=True, whitespace_pattern=""), "structured_outputs"),
+    (StructuredOutput(json_object=True, whitespace_pattern="(ab"), "structured_outputs"),
 ])
 def test_bad_specs_are_refused_naming_the_field(compiler, spec, param):
     with pytest.raises(InvalidRequestError) as info:
@@ -183,6 +211,34 @@ def test_constrained_output_is_exact_under_speculation(model, tokenizer, cases):
     assert chains == plain[:2] and trees == plain[:2]
     short = Engine(model, tokenizer, CONFIG, NgramProposer(), Controller.static(4)).generate_sync(prompts[2:], params[2:])
     assert [r.token_ids for r in short] == plain[2:]
+
+
+@pytest.mark.slow
+def test_compact_json_is_the_reference_and_exact_under_speculation(model, tokenizer, hf_model, cases):
+    """disable_any_whitespace: the people's JSON written without whitespace between tokens
+    (the text is its own compact serialization), the HF loop's output, and plain decoding's
+    with n-gram drafts."""
+    prompt, spec, check, max_tokens = cases[0]
+    compact = StructuredOutput(json=spec.json, disable_any_whitespace=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_output=compact)
+    (plain,) = Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync([prompt], params)
+    assert plain.finish_reason.value == "stop" and plain.token_ids == _reference(
+        hf_model, tokenizer, prompt, compact, max_tokens)
+    check(plain.text)
+    assert plain.text == json.dumps(json.loads(plain.text), separators=(",", ":"), ensure_ascii=False)
+    engine = Engine(model, tokenizer, CONFIG, NgramProposer(), Controller.static(4))
+    assert engine.generate_sync([prompt], params)[0].token_ids == plain.token_ids
+    assert engine.stats.num_accepted > 0
+    # By default the same request writes whitespace between tokens (newlines among it);
+    # with whitespace_pattern " ", only single spaces.
+    outside = re.compile(r'"(?:[^"\\]|\\.)*"')  # JSON strings, cut out
+    spaced = StructuredOutput(json=spec.json, whitespace_pattern=" ")
+    default, single = Engine(model, tokenizer, CONFIG, None, Controller.off()).generate_sync(
+        [prompt] * 2, [SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_output=s)
+                       for s in (spec, spaced)])
+    assert "\n" in outside.sub("", default.text)
+    check(single.text)
+    assert set(re.findall(r"\s+", outside.sub("", single.text))) == {" "}
 
 
 @pytest.mark.slow
