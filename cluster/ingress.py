@@ -12,6 +12,7 @@ a string, in the routes of a Serve class-based ingress.
 """
 
 import asyncio
+import collections
 import dataclasses
 import json
 import math
@@ -252,14 +253,16 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def _tool_calls(body: ChatCompletionBody, structured_output: StructuredOutput | None,
-                ) -> tuple[Calls | None, StructuredOutput | None]:
-    """What `tools` and `tool_choice` ask of the output: the calls it is read as (None:
-    text) and what it must match, with `structured_output` (the response_format's)."""
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+def _tool_calls(functions: list[dict[str, Any]] | None, choice: str | Calls | None, parallel: bool,
+                structured_output: StructuredOutput | None) -> tuple[Calls | None, StructuredOutput | None]:
+    """What `tools` (their `function` objects) and `tool_choice` (None: unset; "none",
+    "auto", "required", or `Calls(name)` for a named function) ask of the output: the
+    calls it is read as (None: text) and what it must match, with `structured_output`
+    (the response_format's)."""
+    choice = choice if choice is not None else ("auto" if functions else "none")
     if choice == "none":
         return None, structured_output
-    if not body.tools:
+    if not functions:
         raise ApiError(400, "tool_choice: needs tools to choose from", "tool_choice")
     if choice == "auto":
         raise ApiError(400, 'tool_choice: "auto" (the default with tools) needs a tool-call parser for the model, '
@@ -267,17 +270,47 @@ def _tool_calls(body: ChatCompletionBody, structured_output: StructuredOutput | 
     if structured_output is not None:
         raise ApiError(400, "tool_choice: a tool call cannot also follow response_format or structured_outputs",
                        "tool_choice")
-    functions = [t["function"] for t in _tool_dicts(body.tools)]
     if choice == "required":
         try:
-            return Calls(None), tool_choice_output(functions, "required", body.parallel_tool_calls)
+            return Calls(None), tool_choice_output(functions, "required", parallel)
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc), exc.param) from None
     names = [f["name"] for f in functions]
-    if choice.function.name not in names:
-        raise ApiError(400, f"tool_choice: function {choice.function.name!r} is not among the tools {names}",
+    if choice.name not in names:
+        raise ApiError(400, f"tool_choice: function {choice.name!r} is not among the tools {names}", "tool_choice")
+    return choice, tool_choice_output(functions, {"type": "function", "function": {"name": choice.name}})
+
+
+def _grpc_tools(r: generate_pb2.GenerateRequest) -> tuple[tuple[dict[str, Any], ...] | None, str | Calls | None]:
+    """A gRPC request's tools (as the chat template reads them) and tool choice."""
+    if not r.tools:
+        tools = None
+    elif r.WhichOneof("input") != "messages":
+        raise ApiError(400, "tools: need messages (the chat template renders them)", "tools")
+    else:
+        functions = []
+        for i, t in enumerate(r.tools):
+            if not t.name:
+                raise ApiError(400, f"tools.{i}.name: must not be empty", f"tools.{i}.name")
+            function: dict[str, Any] = {"name": t.name}
+            if t.description:
+                function["description"] = t.description
+            if t.parameters:
+                try:
+                    function["parameters"] = json.loads(t.parameters)
+                except ValueError as exc:
+                    raise ApiError(400, f"tools.{i}.parameters: not JSON: {exc}", f"tools.{i}.parameters") from None
+                if not isinstance(function["parameters"], dict):
+                    raise ApiError(400, f"tools.{i}.parameters: must be a JSON object", f"tools.{i}.parameters")
+            functions.append({"type": "function", "function": function})
+        tools = tuple(functions)
+    which = r.tool_choice.WhichOneof("choice")
+    if which == "mode" and r.tool_choice.mode not in ("none", "auto", "required"):
+        raise ApiError(400, f"tool_choice: mode must be none, auto or required, got {r.tool_choice.mode!r}",
                        "tool_choice")
-    return Calls(choice.function.name), tool_choice_output(functions, choice.model_dump())
+    if which == "function":
+        return tools, Calls(r.tool_choice.function)
+    return tools, None if which is None else r.tool_choice.mode
 
 
 class ApiError(Exception):
@@ -831,7 +864,12 @@ class Ingress:
                 raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             common = _common_input(body, rid, max_tokens, logprobs)
-            calls, common["structured_output"] = _tool_calls(body, common["structured_output"])
+            choice = body.tool_choice
+            if isinstance(choice, NamedToolChoice):
+                choice = Calls(choice.function.name)
+            calls, common["structured_output"] = _tool_calls(
+                None if body.tools is None else [t["function"] for t in _tool_dicts(body.tools)], choice,
+                body.parallel_tool_calls, common["structured_output"])
             inp = GenerateInput(messages=messages, tools=_tool_dicts(body.tools),
                                 add_generation_prompt=body.add_generation_prompt,
                                 continue_final_message=body.continue_final_message,
@@ -882,7 +920,7 @@ class Ingress:
                                                                   "splitspec.request_id": rid})
         try:
             with trace.use_span(span, end_on_exit=False):
-                inp = self._grpc_input(request, rid)
+                inp, calls = self._grpc_input(request, rid)
                 first, stream = await self._open(inp, span)
         except ApiError as exc:
             span.set_attribute("splitspec.status", exc.status)
@@ -894,19 +932,28 @@ class Ingress:
                 if exc.retry_after_s is not None:
                     grpc_context.set_trailing_metadata([("retry-after", str(max(1, math.ceil(exc.retry_after_s))))])
             raise
-        async for message in _ending(span, self._grpc_messages(rid, first, stream, inp.n)):
+        async for message in _ending(span, self._grpc_messages(rid, first, stream, inp.n, calls)):
             yield message
 
-    async def _grpc_messages(self, rid: str, first: dict[str, Any], stream, n: int) -> AsyncIterator[Any]:
+    async def _grpc_messages(self, rid: str, first: dict[str, Any], stream, n: int,
+                             calls: Calls | None = None) -> AsyncIterator[Any]:
+        """`calls`: the output is read as tool calls, given on each output's last message."""
         event = first
         finals = 0
+        texts: dict[int, list[str]] = collections.defaultdict(list)  # per output, when it is read as calls
         while True:
             message = generate_pb2.GenerateResponse(request_id=rid, token_ids=event.get("token_ids", []),
                                                     text=event.get("text", ""), index=event.get("index", 0))
             message.logprobs.extend(_pb_logprob(e) for e in event.get("logprobs", ()))
             message.prompt_logprobs.extend(_pb_logprob(e) for e in event.get("prompt_logprobs", ()))
+            if calls is not None:
+                texts[message.index].append(message.text)
             if event["event"] == "final":
-                message.finish_reason = event["finish_reason"]
+                message.finish_reason = call_finish_reason(calls, event["finish_reason"])
+                if calls is not None:
+                    message.tool_calls.extend(
+                        generate_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                        for c in message_calls(calls, "".join(texts[message.index])))
                 message.usage.CopyFrom(generate_pb2.Usage(**event["usage"]))
                 s = event["speculation"]
                 message.speculation.CopyFrom(generate_pb2.SpeculationStats(
@@ -927,7 +974,8 @@ class Ingress:
             except StopAsyncIteration:
                 return
 
-    def _grpc_input(self, r: generate_pb2.GenerateRequest, rid: str) -> GenerateInput:
+    def _grpc_input(self, r: generate_pb2.GenerateRequest, rid: str) -> tuple[GenerateInput, Calls | None]:
+        """The request as the verifier takes it, and the calls its output is read as (None: text)."""
         self._check_model(r.model)
         which = r.WhichOneof("input")
         if which is None:
@@ -961,9 +1009,13 @@ class Ingress:
                 whitespace_pattern=so.whitespace_pattern if so.HasField("whitespace_pattern") else None)
         if spec.HasField("max_k"):
             fields["speculation_max_k"] = spec.max_k
+        tools, choice = _grpc_tools(r)
+        calls, fields["structured_output"] = _tool_calls(
+            None if tools is None else [t["function"] for t in tools], choice,
+            r.parallel_tool_calls if r.HasField("parallel_tool_calls") else True, fields.get("structured_output"))
         if which == "prompt":
-            return GenerateInput(prompt=r.prompt, **fields)
+            return GenerateInput(prompt=r.prompt, **fields), calls
         if which == "messages":
             return GenerateInput(messages=tuple({"role": m.role, "content": m.content} for m in r.messages.messages),
-                                 **fields)
-        return GenerateInput(prompt_token_ids=tuple(r.prompt_token_ids.ids), **fields)
+                                 tools=tools, **fields), calls
+        return GenerateInput(prompt_token_ids=tuple(r.prompt_token_ids.ids), **fields), calls

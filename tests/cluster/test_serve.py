@@ -958,6 +958,70 @@ def test_bad_chat_input_and_bad_json(main_app):
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
 
 
+def test_tool_calls_over_grpc(main_app, model, tokenizer):
+    """gRPC's tools and tool_choice: the output is the local engine's plain decoding under
+    the named function's parameters schema, or under a "required" schema of one call
+    written here by hand; the last message carries the calls read back (json.loads here
+    gives the expected ones). Bad tools are INVALID_ARGUMENT naming the field."""
+    from verifier.controller import Controller
+    from verifier.engine import Engine, EngineConfig
+    from verifier.sampling_params import SamplingParams
+    from verifier.structured_output import StructuredOutput
+
+    one_call = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+         "required": ["name", "parameters"], "additionalProperties": False}
+        for name, schema in (("get_weather", WEATHER), ("add", ADD))]}}
+    weather_chat = [{"role": "user", "content": "What is the weather in Lyon, in celsius?"}]
+    add_chat = [{"role": "user", "content": "What is 12 plus 30? Call the add function."}]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in (weather_chat, add_chat)]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=1024), None, Controller.off())
+    named, required = engine.generate_sync(prompts, [SamplingParams(
+        max_tokens=48, temperature=0.0, structured_output=StructuredOutput(json=json.dumps(schema)))
+        for schema in (WEATHER, one_call)])
+    tools = [generate_pb2.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
+                               parameters=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+
+    def request(chat, **kw):
+        return generate_pb2.GenerateRequest(
+            messages=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**m) for m in chat]),
+            max_tokens=48, temperature=0.0, speculation=generate_pb2.Speculation(mode="on"), **kw)
+
+    messages = _grpc_generate(main_app, request(weather_chat, tools=tools,
+                                                tool_choice=generate_pb2.ToolChoice(function="get_weather")))
+    assert [t for m in messages for t in m.token_ids] == named.token_ids and messages[-1].finish_reason == "stop"
+    (call,) = messages[-1].tool_calls
+    assert call.id.startswith("chatcmpl-tool-") and call.name == "get_weather"
+    assert call.arguments == _text(tokenizer, named.token_ids) and not any(m.tool_calls for m in messages[:-1])
+    messages = _grpc_generate(main_app, request(add_chat, tools=tools, parallel_tool_calls=False,
+                                                tool_choice=generate_pb2.ToolChoice(mode="required")))
+    assert [t for m in messages for t in m.token_ids] == required.token_ids
+    assert messages[-1].finish_reason == "tool_calls"
+    assert [{"name": c.name, "parameters": json.loads(c.arguments)} for c in messages[-1].tool_calls] == json.loads(
+        _text(tokenizer, required.token_ids))
+    # "none": text, the tools only shown to the template.
+    messages = _grpc_generate(main_app, request(add_chat, tools=tools, tool_choice=generate_pb2.ToolChoice(mode="none")))
+    assert messages[-1].finish_reason in ("stop", "length") and not messages[-1].tool_calls
+    for kw, param in (
+            ({"tools": tools}, "tool_choice"),  # "auto" by default: no tool-call parser
+            ({"tools": tools, "tool_choice": generate_pb2.ToolChoice(function="nowhere")}, "tool_choice"),
+            ({"tools": tools, "tool_choice": generate_pb2.ToolChoice(mode="sometimes")}, "tool_choice"),
+            ({"tool_choice": generate_pb2.ToolChoice(mode="required")}, "tool_choice"),  # no tools
+            ({"tools": [generate_pb2.Tool(name="f", parameters="{not json")],
+              "tool_choice": generate_pb2.ToolChoice(mode="required")}, "tools.0.parameters"),
+            ({"tools": [generate_pb2.Tool(name="")], "tool_choice": generate_pb2.ToolChoice(mode="required")},
+             "tools.0.name"),
+            ({"tools": tools, "tool_choice": generate_pb2.ToolChoice(mode="required"),
+              "structured_outputs": generate_pb2.StructuredOutputs(json_object=True)}, "tool_choice")):
+        with pytest.raises(grpc.RpcError) as info:
+            _grpc_generate(main_app, request(add_chat, **kw))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(param), kw
+    with pytest.raises(grpc.RpcError) as info:  # a prompt has no chat template to show tools to
+        _grpc_generate(main_app, generate_pb2.GenerateRequest(
+            prompt="Hi", tools=tools, tool_choice=generate_pb2.ToolChoice(mode="required")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("tools")
+
+
 def test_grpc_bad_input_is_invalid_argument(main_app):
     with pytest.raises(grpc.RpcError) as info:
         _grpc_generate(main_app, generate_pb2.GenerateRequest(prompt="Hi", max_tokens=0))
