@@ -18,7 +18,7 @@ import json
 import math
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Literal, Sequence
 
 import grpc
 from fastapi import FastAPI, Request
@@ -253,12 +253,13 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def _tool_calls(functions: list[dict[str, Any]] | None, choice: str | Calls | None, parallel: bool,
+def _tool_calls(tools: Sequence[dict[str, Any]] | None, choice: str | Calls | None, parallel: bool,
                 structured_output: StructuredOutput | None) -> tuple[Calls | None, StructuredOutput | None]:
-    """What `tools` (their `function` objects) and `tool_choice` (None: unset; "none",
-    "auto", "required", or `Calls(name)` for a named function) ask of the output: the
-    calls it is read as (None: text) and what it must match, with `structured_output`
+    """What `tools` (as the chat template reads them) and `tool_choice` (None: unset;
+    "none", "auto", "required", or `Calls(name)` for a named function) ask of the output:
+    the calls it is read as (None: text) and what it must match, with `structured_output`
     (the response_format's)."""
+    functions = [t["function"] for t in tools or ()]
     choice = choice if choice is not None else ("auto" if functions else "none")
     if choice == "none":
         return None, structured_output
@@ -433,8 +434,10 @@ def _vllm_prompt_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, dict[
         if e["logprob"] is None:
             out.append(None)
             continue
-        alternatives = {str(t["token_id"]): one(t) for t in e["top_logprobs"]}
-        out.append({str(e["token_id"]): one(e), **{k: v for k, v in alternatives.items() if k != str(e["token_id"])}})
+        entry = {str(e["token_id"]): one(e)}
+        for t in e["top_logprobs"]:  # the prompt's token, when among them, stays listed first
+            entry.setdefault(str(t["token_id"]), one(t))
+        out.append(entry)
     return out
 
 
@@ -867,10 +870,10 @@ class Ingress:
             choice = body.tool_choice
             if isinstance(choice, NamedToolChoice):
                 choice = Calls(choice.function.name)
-            calls, common["structured_output"] = _tool_calls(
-                None if body.tools is None else [t["function"] for t in _tool_dicts(body.tools)], choice,
-                body.parallel_tool_calls, common["structured_output"])
-            inp = GenerateInput(messages=messages, tools=_tool_dicts(body.tools),
+            tools = _tool_dicts(body.tools)
+            calls, common["structured_output"] = _tool_calls(tools, choice, body.parallel_tool_calls,
+                                                             common["structured_output"])
+            inp = GenerateInput(messages=messages, tools=tools,
                                 add_generation_prompt=body.add_generation_prompt,
                                 continue_final_message=body.continue_final_message,
                                 chat_template_kwargs=tuple((body.chat_template_kwargs or {}).items()), **common)
@@ -1011,8 +1014,8 @@ class Ingress:
             fields["speculation_max_k"] = spec.max_k
         tools, choice = _grpc_tools(r)
         calls, fields["structured_output"] = _tool_calls(
-            None if tools is None else [t["function"] for t in tools], choice,
-            r.parallel_tool_calls if r.HasField("parallel_tool_calls") else True, fields.get("structured_output"))
+            tools, choice, r.parallel_tool_calls if r.HasField("parallel_tool_calls") else True,
+            fields.get("structured_output"))
         if which == "prompt":
             return GenerateInput(prompt=r.prompt, **fields), calls
         if which == "messages":
