@@ -214,9 +214,28 @@ class DetokenizeBody(_Body):
     tokens: list[int]
 
 
+def _template_message(role: str, content: str, calls: Sequence[tuple[str | None, str, str]] | None,
+                      tool_call_id: str | None, name: str | None) -> dict[str, Any]:
+    """One message as the chat template reads it, as transformers and vLLM hand it over:
+    `calls` are (id, function name, arguments as JSON text), and a call's arguments become
+    an object where they parse as one.
+
+    >>> _template_message("assistant", "", [("call-1", "add", '{"a": 1}')], None, None)["tool_calls"]
+    [{'id': 'call-1', 'type': 'function', 'function': {'name': 'add', 'arguments': {'a': 1}}}]
+    """
+    message: dict[str, Any] = {"role": role, "content": content}
+    if calls is not None:
+        message["tool_calls"] = [{"id": id_, "type": "function", "function": {"name": fn, "arguments": _arguments(args)}}
+                                 for id_, fn, args in calls]
+    if tool_call_id is not None:
+        message["tool_call_id"] = tool_call_id
+    if name is not None:
+        message["name"] = name
+    return message
+
+
 def _chat_messages(chat: list[ChatMessage]) -> tuple[dict[str, Any], ...]:
-    """The conversation as the chat template reads it (as transformers and vLLM hand it
-    over: no content is "", a call's arguments are an object where they parse as one)."""
+    """The conversation as the chat template reads it (no content is "")."""
     messages = []
     for i, m in enumerate(chat):
         content = m.content
@@ -228,16 +247,37 @@ def _chat_messages(chat: list[ChatMessage]) -> tuple[dict[str, Any], ...]:
             if any(part.get("type") != "text" for part in content):
                 raise ApiError(400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content")
             content = "".join(str(part.get("text", "")) for part in content)
-        message: dict[str, Any] = {"role": m.role, "content": content}
-        if m.tool_calls is not None:
-            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            message["name"] = m.name
-        messages.append(message)
+        calls = None if m.tool_calls is None else [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
+        messages.append(_template_message(m.role, content, calls, m.tool_call_id, m.name))
     return tuple(messages)
+
+
+#: GenerateRequest's fields that only a conversation takes (the chat template reads them).
+_GRPC_CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+def _grpc_chat(r: generate_pb2.GenerateRequest) -> dict[str, Any]:
+    """A gRPC request's conversation and chat options as `GenerateInput` takes them (a
+    proto's empty string is an unset id or name; a message's calls need a function name)."""
+    messages = []
+    for i, m in enumerate(r.messages.messages):
+        for j, c in enumerate(m.tool_calls):
+            if not c.name:
+                raise ApiError(400, f"messages.{i}.tool_calls.{j}.name: must not be empty",
+                               f"messages.{i}.tool_calls.{j}.name")
+        calls = [(c.id or None, c.name, c.arguments) for c in m.tool_calls] or None
+        messages.append(_template_message(m.role, m.content, calls, m.tool_call_id or None, m.name or None))
+    kwargs: dict[str, Any] = {}
+    if r.chat_template_kwargs:
+        try:
+            kwargs = json.loads(r.chat_template_kwargs)
+        except ValueError as exc:
+            raise ApiError(400, f"chat_template_kwargs: not JSON: {exc}", "chat_template_kwargs") from None
+        if not isinstance(kwargs, dict):
+            raise ApiError(400, "chat_template_kwargs: must be a JSON object", "chat_template_kwargs")
+    return dict(messages=tuple(messages), continue_final_message=r.continue_final_message,
+                add_generation_prompt=r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
+                chat_template_kwargs=tuple(kwargs.items()))
 
 
 def _tool_dicts(tools: list[Tool] | None) -> tuple[dict[str, Any], ...] | None:
@@ -1016,9 +1056,11 @@ class Ingress:
         calls, fields["structured_output"] = _tool_calls(
             tools, choice, r.parallel_tool_calls if r.HasField("parallel_tool_calls") else True,
             fields.get("structured_output"))
+        if which == "messages":
+            return GenerateInput(tools=tools, **_grpc_chat(r), **fields), calls
+        chat_options = [f.name for f, _ in r.ListFields() if f.name in _GRPC_CHAT_OPTIONS]
+        if chat_options:
+            raise ApiError(400, f"{chat_options[0]}: needs messages (the chat template reads it)", chat_options[0])
         if which == "prompt":
             return GenerateInput(prompt=r.prompt, **fields), calls
-        if which == "messages":
-            return GenerateInput(messages=tuple({"role": m.role, "content": m.content} for m in r.messages.messages),
-                                 tools=tools, **fields), calls
         return GenerateInput(prompt_token_ids=tuple(r.prompt_token_ids.ids), **fields), calls

@@ -1022,6 +1022,56 @@ def test_tool_calls_over_grpc(main_app, model, tokenizer):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("tools")
 
 
+def test_a_tool_conversation_and_chat_options_over_grpc(main_app, tokenizer, greedy):
+    """gRPC's messages carry an assistant's calls, a tool's answer and names, and the
+    request vLLM's chat options: the prompt is the conversation rendered here as the
+    template reads it (SmolLM2's ignores calls, so an assistant message that made them
+    renders with its empty content), and the output is plain decoding's from it, so the
+    turn after a call's result is served over gRPC. add_generation_prompt false leaves the
+    turn closed; continue_final_message continues the last message. Bad chat options are
+    INVALID_ARGUMENT naming the field."""
+    add_chat = [{"role": "user", "content": "What is 12 plus 30? Call the add function."}]
+    history = [generate_pb2.ChatMessage(**add_chat[0]),
+               generate_pb2.ChatMessage(role="assistant", tool_calls=[
+                   generate_pb2.ToolCall(id="call-1", name="add", arguments='{"a": 12, "b": 30}')]),
+               generate_pb2.ChatMessage(role="tool", tool_call_id="call-1", name="add", content="42")]
+    rendered = [*add_chat, {"role": "assistant", "content": ""}, {"role": "tool", "content": "42"}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(rendered))
+
+    def generate(messages, max_tokens=6, **kw):
+        out = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+            messages=generate_pb2.ChatMessages(messages=messages), max_tokens=max_tokens, temperature=0.0, **kw))
+        return [t for m in out for t in m.token_ids], out[-1].usage.prompt_tokens
+
+    want = (greedy([ids], 6)[0], len(ids))
+    assert generate(history) == want
+    # A variable the template does not read changes nothing; its own names are refused (below).
+    assert generate(history, chat_template_kwargs='{"enable_thinking": true}') == want
+    closed = tokenizer.encode(tokenizer.apply_chat_template(rendered, add_generation_prompt=False))
+    assert generate(history, 1, add_generation_prompt=False)[1] == len(closed) < len(ids)
+    opened = [*add_chat, {"role": "assistant", "content": "The answer is"}]
+    cont = tokenizer.encode(tokenizer.apply_chat_template(opened[:1]) + "The answer is", add_special_tokens=False)
+    assert generate([generate_pb2.ChatMessage(**m) for m in opened], add_generation_prompt=False,
+                    continue_final_message=True) == (greedy([cont], 6)[0], len(cont))
+    for kw, param in (({"chat_template_kwargs": '{"messages": []}'}, "chat_template_kwargs"),
+                      ({"chat_template_kwargs": "[1]"}, "chat_template_kwargs"),
+                      ({"chat_template_kwargs": "{not json"}, "chat_template_kwargs"),
+                      ({"continue_final_message": True}, "continue_final_message"),
+                      ({"prompt": "Hi", "add_generation_prompt": False}, "add_generation_prompt"),
+                      ({"prompt": "Hi", "continue_final_message": True}, "continue_final_message"),
+                      ({"prompt_token_ids": generate_pb2.TokenIds(ids=[1, 2]), "chat_template_kwargs": "{}"},
+                       "chat_template_kwargs")):
+        request = generate_pb2.GenerateRequest(**({} if "prompt" in kw or "prompt_token_ids" in kw else {
+            "messages": generate_pb2.ChatMessages(messages=history)}), **kw)
+        with pytest.raises(grpc.RpcError) as info:
+            _grpc_generate(main_app, request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(param), kw
+    with pytest.raises(grpc.RpcError) as info:
+        _grpc_generate(main_app, generate_pb2.GenerateRequest(messages=generate_pb2.ChatMessages(messages=[
+            generate_pb2.ChatMessage(role="assistant", tool_calls=[generate_pb2.ToolCall(id="c", arguments="{}")])])))
+    assert info.value.details().startswith("messages.0.tool_calls.0.name")
+
+
 def test_grpc_bad_input_is_invalid_argument(main_app):
     with pytest.raises(grpc.RpcError) as info:
         _grpc_generate(main_app, generate_pb2.GenerateRequest(prompt="Hi", max_tokens=0))

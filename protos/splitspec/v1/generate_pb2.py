@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitspec/v1/generate.proto\x12\x0csplitspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\"I\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x12\n\x05max_k\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_max_k\"\x86\n\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.splitspec.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12.\n\x0bspeculation\x18\x0c \x01(\x0b\x32\x19.splitspec.v1.Speculation\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\rH\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x13 \x03(\x0b\x32,.splitspec.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x14 \x01(\rH\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x0c\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x16 \x03(\x05\x12;\n\x12structured_outputs\x18\x17 \x01(\x0b\x32\x1f.splitspec.v1.StructuredOutputs\x12\"\n\x1ainclude_stop_str_in_output\x18\x18 \x01(\x08\x12\x11\n\tbad_words\x18\x19 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x1a \x03(\x05\x12 \n\x13skip_special_tokens\x18\x1b \x01(\x08H\r\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x1c \x01(\x05H\x0e\x88\x01\x01\x12!\n\x05tools\x18\x1d \x03(\x0b\x32\x12.splitspec.v1.Tool\x12-\n\x0btool_choice\x18\x1e \x01(\x0b\x32\x18.splitspec.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x1f \x01(\x08H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x19\n\x17_truncate_prompt_tokensB\x16\n\x14_parallel_tool_calls\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xe7\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.splitspec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12\x1f\n\x12whitespace_pattern\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\x06\n\x04kindB\x15\n\x13_whitespace_pattern\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xae\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x14\n\x07logprob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x30\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\x11\n\x04rank\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_logprobB\x07\n\x05_rank\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd8\x03\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1a\n\x12rounds_with_drafts\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x05 \x01(\x02\x12L\n\x10rounds_by_method\x18\x06 \x03(\x0b\x32\x32.splitspec.v1.SpeculationStats.RoundsByMethodEntry\x12\x41\n\nrounds_off\x18\x07 \x03(\x0b\x32-.splitspec.v1.SpeculationStats.RoundsOffEntry\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\t \x01(\x02\x12\x19\n\x11tokens_per_second\x18\n \x01(\x02\x12\x19\n\x11num_output_tokens\x18\x0b \x01(\r\x1a\x35\n\x13RoundsByMethodEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x30\n\x0eRoundsOffEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xd5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.splitspec.v1.SpeculationStats\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12*\n\ntool_calls\x18\n \x03(\x0b\x32\x16.splitspec.v1.ToolCall2W\n\x08Generate\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitspec/v1/generate.proto\x12\x0csplitspec.v1\"|\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.splitspec.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\"I\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x12\n\x05max_k\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_max_k\"\x82\x0b\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.splitspec.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12.\n\x0bspeculation\x18\x0c \x01(\x0b\x32\x19.splitspec.v1.Speculation\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\rH\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x13 \x03(\x0b\x32,.splitspec.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x14 \x01(\rH\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x0c\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x16 \x03(\x05\x12;\n\x12structured_outputs\x18\x17 \x01(\x0b\x32\x1f.splitspec.v1.StructuredOutputs\x12\"\n\x1ainclude_stop_str_in_output\x18\x18 \x01(\x08\x12\x11\n\tbad_words\x18\x19 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x1a \x03(\x05\x12 \n\x13skip_special_tokens\x18\x1b \x01(\x08H\r\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x1c \x01(\x05H\x0e\x88\x01\x01\x12!\n\x05tools\x18\x1d \x03(\x0b\x32\x12.splitspec.v1.Tool\x12-\n\x0btool_choice\x18\x1e \x01(\x0b\x32\x18.splitspec.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x1f \x01(\x08H\x0f\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18  \x01(\x08H\x10\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18! \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\" \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x19\n\x17_truncate_prompt_tokensB\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xe7\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.splitspec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12\x1f\n\x12whitespace_pattern\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\x06\n\x04kindB\x15\n\x13_whitespace_pattern\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xae\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x14\n\x07logprob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x30\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\x11\n\x04rank\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_logprobB\x07\n\x05_rank\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd8\x03\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1a\n\x12rounds_with_drafts\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x05 \x01(\x02\x12L\n\x10rounds_by_method\x18\x06 \x03(\x0b\x32\x32.splitspec.v1.SpeculationStats.RoundsByMethodEntry\x12\x41\n\nrounds_off\x18\x07 \x03(\x0b\x32-.splitspec.v1.SpeculationStats.RoundsOffEntry\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\t \x01(\x02\x12\x19\n\x11tokens_per_second\x18\n \x01(\x02\x12\x19\n\x11num_output_tokens\x18\x0b \x01(\r\x1a\x35\n\x13RoundsByMethodEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x30\n\x0eRoundsOffEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xd5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.splitspec.v1.SpeculationStats\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12*\n\ntool_calls\x18\n \x03(\x0b\x32\x16.splitspec.v1.ToolCall2W\n\x08Generate\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,39 +38,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._loaded_options = None
   _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=52
-  _globals['_CHATMESSAGE']._serialized_end=96
-  _globals['_CHATMESSAGES']._serialized_start=98
-  _globals['_CHATMESSAGES']._serialized_end=157
-  _globals['_SPECULATION']._serialized_start=159
-  _globals['_SPECULATION']._serialized_end=232
-  _globals['_GENERATEREQUEST']._serialized_start=235
-  _globals['_GENERATEREQUEST']._serialized_end=1521
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1209
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1257
-  _globals['_TOOL']._serialized_start=1523
-  _globals['_TOOL']._serialized_end=1584
-  _globals['_TOOLCHOICE']._serialized_start=1586
-  _globals['_TOOLCHOICE']._serialized_end=1644
-  _globals['_TOOLCALL']._serialized_start=1646
-  _globals['_TOOLCALL']._serialized_end=1701
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1704
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1935
-  _globals['_CHOICES']._serialized_start=1937
-  _globals['_CHOICES']._serialized_end=1963
-  _globals['_TOKENLOGPROB']._serialized_start=1966
-  _globals['_TOKENLOGPROB']._serialized_end=2140
-  _globals['_TOKENIDS']._serialized_start=2142
-  _globals['_TOKENIDS']._serialized_end=2165
-  _globals['_SPECULATIONSTATS']._serialized_start=2168
-  _globals['_SPECULATIONSTATS']._serialized_end=2640
-  _globals['_SPECULATIONSTATS_ROUNDSBYMETHODENTRY']._serialized_start=2537
-  _globals['_SPECULATIONSTATS_ROUNDSBYMETHODENTRY']._serialized_end=2590
-  _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._serialized_start=2592
-  _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._serialized_end=2640
-  _globals['_USAGE']._serialized_start=2642
-  _globals['_USAGE']._serialized_end=2721
-  _globals['_GENERATERESPONSE']._serialized_start=2724
-  _globals['_GENERATERESPONSE']._serialized_end=3065
-  _globals['_GENERATE']._serialized_start=3067
-  _globals['_GENERATE']._serialized_end=3154
+  _globals['_CHATMESSAGE']._serialized_end=176
+  _globals['_CHATMESSAGES']._serialized_start=178
+  _globals['_CHATMESSAGES']._serialized_end=237
+  _globals['_SPECULATION']._serialized_start=239
+  _globals['_SPECULATION']._serialized_end=312
+  _globals['_GENERATEREQUEST']._serialized_start=315
+  _globals['_GENERATEREQUEST']._serialized_end=1725
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1387
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1435
+  _globals['_TOOL']._serialized_start=1727
+  _globals['_TOOL']._serialized_end=1788
+  _globals['_TOOLCHOICE']._serialized_start=1790
+  _globals['_TOOLCHOICE']._serialized_end=1848
+  _globals['_TOOLCALL']._serialized_start=1850
+  _globals['_TOOLCALL']._serialized_end=1905
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1908
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=2139
+  _globals['_CHOICES']._serialized_start=2141
+  _globals['_CHOICES']._serialized_end=2167
+  _globals['_TOKENLOGPROB']._serialized_start=2170
+  _globals['_TOKENLOGPROB']._serialized_end=2344
+  _globals['_TOKENIDS']._serialized_start=2346
+  _globals['_TOKENIDS']._serialized_end=2369
+  _globals['_SPECULATIONSTATS']._serialized_start=2372
+  _globals['_SPECULATIONSTATS']._serialized_end=2844
+  _globals['_SPECULATIONSTATS_ROUNDSBYMETHODENTRY']._serialized_start=2741
+  _globals['_SPECULATIONSTATS_ROUNDSBYMETHODENTRY']._serialized_end=2794
+  _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._serialized_start=2796
+  _globals['_SPECULATIONSTATS_ROUNDSOFFENTRY']._serialized_end=2844
+  _globals['_USAGE']._serialized_start=2846
+  _globals['_USAGE']._serialized_end=2925
+  _globals['_GENERATERESPONSE']._serialized_start=2928
+  _globals['_GENERATERESPONSE']._serialized_end=3269
+  _globals['_GENERATE']._serialized_start=3271
+  _globals['_GENERATE']._serialized_end=3358
 # @@protoc_insertion_point(module_scope)
