@@ -14,6 +14,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests on the session's Ray cluster (`serve_cluster`, tests/cluster/conftest.py) run
+    last, each group in its own order, so the cluster starts only then: idle, its
+    processes (Serve's controller, Ray's dashboard agent and GCS, the apps' replicas)
+    still take about half of one of the 2 cores, which the model tests would share, and
+    a pass's 2 OpenMP threads wait for whichever thread a neighbour displaces."""
+    items[:] = sorted(items, key=lambda item: "serve_cluster" in item.fixturenames)
+
+
 @pytest.fixture(scope="session")
 def model():
     """The bundled SmolLM2-135M-Instruct in float32 (exactness tests run in fp32), its

@@ -120,20 +120,35 @@ def main_app(serve_cluster) -> ServedApp:
     })
 
 
-@pytest.fixture(scope="session")
-def tight_app(serve_cluster) -> ServedApp:
-    """One KV slot and no queue (overload), no proposers (speculation not configured)."""
-    return _deploy(serve_cluster, "tight", "/tight", {
+def _deleted_after(serve_cluster, name: str, route_prefix: str, config: dict):
+    """`_deploy`, as a fixture's body that deletes the app after its test, so that its
+    replicas' CPU share and memory go back to the session's other apps (an idle app's
+    replicas still take a few percent of a core each)."""
+    from ray import serve
+
+    app = _deploy(serve_cluster, name, route_prefix, config)
+    try:
+        yield app
+    finally:
+        serve.delete(app.name)
+
+
+@pytest.fixture
+def tight_app(serve_cluster):
+    """One KV slot and no queue (overload), no proposers (speculation not configured).
+    Deleted after the test."""
+    yield from _deleted_after(serve_cluster, "tight", "/tight", {
         "proposers": [],
         "verifier": {**_VERIFIER, "max_num_seqs": 1, "max_model_len": 512, "max_waiting": 0,
                      "resources": {"num_cpus": 0.5}},
     })
 
 
-@pytest.fixture(scope="session")
-def autoscale_app(serve_cluster) -> ServedApp:
-    """Proposers autoscale 1..2 at one sequence per replica; the verifier is fixed."""
-    return _deploy(serve_cluster, "auto", "/auto", {
+@pytest.fixture
+def autoscale_app(serve_cluster):
+    """Proposers autoscale 1..2 at one sequence per replica; the verifier is fixed.
+    Deleted after the test."""
+    yield from _deleted_after(serve_cluster, "auto", "/auto", {
         "proposers": [{"method": "ngram", "resources": {"num_cpus": 0.25}, "autoscaling": {
             "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
             "upscale_delay_s": 0.0, "downscale_delay_s": 2.0, "look_back_period_s": 1.0}}],
@@ -164,34 +179,21 @@ def split_app(serve_cluster):
     """The target split over two processes (`tensor_parallel_size: 2` on CPU: the replica
     and a worker it starts, one torch thread each), n-gram lookup in the replica. Deleted
     after the test."""
-    from ray import serve
-
-    app = _deploy(serve_cluster, "split", "/split", {
+    yield from _deleted_after(serve_cluster, "split", "/split", {
         "proposers": [{"method": "ngram", "placement": "verifier"}],
         "verifier": {**_VERIFIER, "tensor_parallel_size": 2, "max_num_seqs": 2, "max_model_len": 512,
                      "max_waiting": 4, "resources": {"num_cpus": 0.25}},
         "controller": {"policy": "static", "k": 4},
     })
-    try:
-        yield app
-    finally:
-        serve.delete(app.name)
 
 
 @pytest.fixture
 def eagle_in_verifier_app(serve_cluster):
     """The committed EAGLE head placed in the verifier replica (`placement: verifier`): built
-    there beside the target, handed its hidden states in-process. Deleted after the test,
-    so its replica's CPU share and memory go back to the session's other apps."""
-    from ray import serve
-
-    app = _deploy(serve_cluster, "eagle-in-verifier", "/eagle-in-verifier", {
+    there beside the target, handed its hidden states in-process. Deleted after the test."""
+    yield from _deleted_after(serve_cluster, "eagle-in-verifier", "/eagle-in-verifier", {
         "proposers": [{"method": "eagle", "placement": "verifier"}],
         "verifier": {**_VERIFIER, "max_num_seqs": 4, "max_model_len": 1024, "max_waiting": 4,
                      "resources": {"num_cpus": 0.25}},
         "controller": {"policy": "goodput", "k": 4, "max_k": 4},
     })
-    try:
-        yield app
-    finally:
-        serve.delete(app.name)
