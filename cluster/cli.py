@@ -121,6 +121,21 @@ def _structured_output_arg(args: argparse.Namespace):
     return None
 
 
+def _chat_template_arg(args: argparse.Namespace) -> str | None:
+    """--chat-template's text (a template, or a file holding one), with --chat only."""
+    if args.chat_template is None:
+        return None
+    if not args.chat:
+        raise InvalidRequestError("chat_template", "applies to --chat only")
+    from verifier.errors import ModelLoadError
+    from verifier.models.tokenizer import read_chat_template
+
+    try:
+        return read_chat_template(args.chat_template)
+    except ModelLoadError as exc:
+        raise InvalidRequestError("chat_template", str(exc)) from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from verifier.sampling_params import SamplingParams, check_truncate_prompt_tokens, truncate_prompt
 
@@ -158,6 +173,7 @@ def _generate(args: argparse.Namespace) -> int:
             raise InvalidRequestError(name, "are printed with --json only")
     if args.k < 0:
         raise InvalidRequestError("k", f"must be >= 0, got {args.k}")
+    chat_template = _chat_template_arg(args)
     if args.tensor_parallel_size < 1:
         raise InvalidRequestError("tensor_parallel_size", f"must be >= 1, got {args.tensor_parallel_size}")
     fallback = _fallback_arg(args)
@@ -170,6 +186,7 @@ def _generate(args: argparse.Namespace) -> int:
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, speculation=args.speculation,
         fallback=fallback, k=args.k, max_num_seqs=1, max_model_len=args.max_model_len, tree=tree,
         dynamic_tree=args.dynamic_tree, tree_budget=args.tree_budget, tensor_parallel_size=args.tensor_parallel_size,
+        chat_template=chat_template,
     ))
     tok = engine.tokenizer
     from verifier.server import prompt_token_ids
@@ -401,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from a file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="with --chat: a Jinja chat template, or the path of a file holding one, used instead of "
+                        "the model's own (vLLM's --chat-template)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)

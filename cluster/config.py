@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from verifier.errors import SplitspecError
+from verifier.errors import ModelLoadError, SplitspecError
 
 
 #: What `splitspec serve` runs without a CONFIG argument: a 2-core laptop, bundled model.
@@ -76,11 +76,26 @@ class TargetConfig(_Strict):
     tokenizer: str | None = Field(None, description="Local tokenizer directory; null = from the model.")
     name: str | None = Field(None, description="Name served in /v1/models; null = derived from the path.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="float32 is exact; bfloat16 is faster on GPUs and bf16 CPUs.")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template used instead of the model's own (vLLM's --chat-template), or the "
+        "path of a file holding one, read when the config is loaded; null = the model's.")
 
     @field_validator("path", "tokenizer")
     @classmethod
     def _home(cls, path: str | None) -> str | None:
         return None if path is None else os.path.expanduser(path)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from verifier.models.tokenizer import read_chat_template
+
+        try:
+            return read_chat_template(value)
+        except ModelLoadError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class ProposerConfig(_Strict):

@@ -172,10 +172,11 @@ class VerifierReplica:
         if threads:
             torch.set_num_threads(threads)
         if v.tensor_parallel_size > 1:  # each rank reads only its share of the layers
-            tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer)
+            tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer, chat_template=cfg.model.chat_template)
             model = TensorParallelModel.start(cfg.model.path, cfg.model.dtype, v.tensor_parallel_size, threads)
         else:
-            model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.tokenizer, cfg.model.dtype)
+            model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.tokenizer, cfg.model.dtype,
+                                                        cfg.model.chat_template)
         # deployment name of each deployed method, from the handles Serve passed in (`build_app`)
         deployed = [p for p in cfg.proposers if p.placement == "deployment"]
         self._proposer_deployments = {p.method: h.deployment_name for p, h in zip(deployed, proposers)}

@@ -41,6 +41,8 @@ class LocalEngineSpec:
     tree_budget: int | None = None
     #: Ranks the target is split over (`verifier.models.tensor_parallel`); 1: not split.
     tensor_parallel_size: int = 1
+    #: A Jinja chat template's text used instead of the model's own; None: the model's.
+    chat_template: str | None = None
 
 
 def check_vocabularies(tokenizer: Tokenizer, proposers: Mapping[str, ProposalSource]) -> None:
@@ -58,7 +60,7 @@ def check_vocabularies(tokenizer: Tokenizer, proposers: Mapping[str, ProposalSou
 
 
 def build_local_engine(spec: LocalEngineSpec) -> Engine:
-    model, tokenizer = load_model_and_tokenizer(spec.model, spec.tokenizer, spec.dtype)
+    model, tokenizer = load_model_and_tokenizer(spec.model, spec.tokenizer, spec.dtype, spec.chat_template)
     model = split_model(model, spec.model, spec.dtype, spec.tensor_parallel_size)
     config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
     if spec.speculation == OFF or spec.k == 0:

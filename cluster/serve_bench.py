@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> dict:
 
     config = load_config(args.config or LOCAL_CONFIG_PATH)
     conversations = load_conversations(args.workload)[: args.requests]
-    model, tokenizer = load_model_and_tokenizer(config.model.path, config.model.tokenizer, config.model.dtype)
+    model, tokenizer = load_model_and_tokenizer(config.model.path, config.model.tokenizer, config.model.dtype,
+                                                config.model.chat_template)
     # The same threads as the verifier replica computes for itself on this machine.
     threads = verifier_threads(config.verifier)
     if threads:

@@ -133,11 +133,18 @@ def _deleted_after(serve_cluster, name: str, route_prefix: str, config: dict):
         serve.delete(app.name)
 
 
-@pytest.fixture
+#: `tight_app`'s chat template (`model.chat_template`): ChatML without SmolLM2's system
+#: turn, the contents upper-cased, so a prompt shows which template rendered it.
+TIGHT_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | upper }}<|im_end|>\n"
+                       "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
 def tight_app(serve_cluster):
-    """One KV slot and no queue (overload), no proposers (speculation not configured).
-    Deleted after the test."""
+    """One KV slot and no queue (overload), no proposers (speculation not configured), a
+    chat template of its own. Deleted after the module."""
     yield from _deleted_after(serve_cluster, "tight", "/tight", {
+        "model": {"chat_template": TIGHT_CHAT_TEMPLATE},
         "proposers": [],
         "verifier": {**_VERIFIER, "max_num_seqs": 1, "max_model_len": 512, "max_waiting": 0,
                      "resources": {"num_cpus": 0.5}},

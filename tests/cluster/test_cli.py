@@ -135,6 +135,29 @@ def test_generate_truncates_the_prompt_and_keeps_to_allowed_tokens_without_bad_w
     assert len(out["token_ids"]) == 6 and set(out["token_ids"]) <= allowed - set(tokenizer.encode(" Paris"))
 
 
+def test_generate_with_a_chat_template_of_its_own(tmp_path, model, tokenizer):
+    """--chat-template FILE: the prompt is the conversation as that template writes it
+    (here by hand: the content upper-cased, no system turn), and the output plain
+    decoding's from it."""
+    from verifier.controller import Controller
+    from verifier.engine import Engine, EngineConfig
+    from verifier.sampling_params import SamplingParams
+
+    template = tmp_path / "upper.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | upper }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    proc = splitspec("generate", "--prompt", "What is 2+2?", "--chat", "--chat-template", str(template),
+                     "--max-tokens", "8", "--speculation", "off", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    want = tokenizer.encode("<|im_start|>user\nWHAT IS 2+2?<|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False)
+    assert out["prompt_token_ids"] == want
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=512), None, Controller.off())
+    (plain,) = engine.generate_sync([want], SamplingParams(max_tokens=8, temperature=0.0))
+    assert out["token_ids"] == plain.token_ids
+
+
 def test_generate_writes_compact_json_and_the_prompts_logprobs(tokenizer):
     """--json-object --disable-any-whitespace: no whitespace outside the JSON's strings;
     --prompt-logprobs 1: one entry per prompt token (the first's logprob null), each with
@@ -200,6 +223,9 @@ def test_generate_streams_text_then_a_summary(ngram_json):
         (["--prompt", "hi", "--regex", "a+", "--disable-any-whitespace"], "disable_any_whitespace"),
         (["--prompt", "hi", "--whitespace-pattern", " "], "whitespace_pattern"),
         (["--prompt", "hi", "--json-object", "--whitespace-pattern", ""], "json_object"),
+        (["--prompt", "hi", "--chat-template", "{{ messages }}"], "chat_template"),  # with --chat only
+        (["--prompt", "hi", "--chat", "--chat-template", "no/such/chat.jinja"], "chat_template"),
+        (["--prompt", "hi", "--chat", "--chat-template", "{% if %}"], "chat_template"),
     ],
 )
 def test_bad_input_exits_2_naming_the_parameter(args, field, capsys):

@@ -40,6 +40,17 @@ def test_a_leading_tilde_in_a_path_is_the_home_directory(monkeypatch):
     assert qwen.proposers[0].options["vocab_subset"] == 65536
 
 
+def test_a_chat_template_file_is_read_into_the_config(tmp_path):
+    """model.chat_template: a file's path becomes its text, so the replicas that validate
+    the config again get the template itself; a template is kept as it is."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    c = SplitspecConfig.model_validate({"model": {"chat_template": str(tmp_path / "chat.jinja")}})
+    assert c.model.chat_template == template
+    assert SplitspecConfig.model_validate(c.model_dump()).model.chat_template == template
+    assert SplitspecConfig().model.chat_template is None
+
+
 def test_controller_section_maps_onto_the_controller():
     from verifier.controller import ControllerSettings
 
@@ -98,6 +109,8 @@ def test_a_bare_policy_off_is_the_off_policy(tmp_path):
          "proposers.0", "remove autoscaling"),
         ("proposers: [{method: draft, placement: verifier, num_threads: 2}]", "proposers.0", "remove num_threads"),
         ("model: {dtype: float16}", "model.dtype", "'float16'"),
+        ("model: {chat_template: no/such/chat.jinja}", "model.chat_template", "is neither a Jinja template"),
+        ("model: {chat_template: '{% if %}'}", "model.chat_template", "does not compile"),
         ("controller: {k: 40}", "controller.k", "less than or equal to 16"),
         ("controller: {policy: adaptive}", "controller.policy", "'adaptive'"),
         ("controller: {sequence_share: -0.1}", "controller.sequence_share", "greater than or equal to 0"),

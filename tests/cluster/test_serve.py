@@ -1142,6 +1142,25 @@ def test_overload_is_429_with_retry_after(tight_app):
     assert r.json()["speculation"]["drafted"] == 0
 
 
+def test_a_chat_template_from_the_config_renders_the_conversations(tight_app, tokenizer, greedy):
+    """model.chat_template replaces the model's template in the served verifier: /tokenize,
+    chat over HTTP and gRPC's messages all prefill the conversation as that template
+    writes it (here by hand), and the output is plain decoding's from those ids."""
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    want = tokenizer.encode("<|im_start|>user\nWHAT IS 2+2?<|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False)
+    assert "WHAT" not in tokenizer.apply_chat_template(chat)  # the model's own template keeps the case
+    root = tight_app.base_url.removesuffix("/v1")
+    assert httpx.post(f"{root}/tokenize", json={"messages": chat}, timeout=30).json()["tokens"] == want
+    r = _client(tight_app).chat.completions.create(model=MODEL, messages=chat, max_tokens=6, temperature=0,
+                                                   extra_body={"return_token_ids": True})
+    assert r.usage.prompt_tokens == len(want) and r.choices[0].model_extra["token_ids"] == greedy([want], 6)[0]
+    messages = _grpc_generate(tight_app, generate_pb2.GenerateRequest(
+        messages=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**chat[0])]), max_tokens=6,
+        temperature=0.0))
+    assert [t for m in messages for t in m.token_ids] == greedy([want], 6)[0]
+
+
 def test_disconnect_aborts_and_frees_kv(main_app):
     verifier = main_app.verifier()
     before = verifier.stats.remote().result()

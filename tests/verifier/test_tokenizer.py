@@ -341,6 +341,30 @@ def test_end_of_turn_marker_from_the_template(tmp_path) -> None:
     assert Tokenizer.from_gguf(_tiny_gguf(tmp_path)).eos_token_ids == {0}
 
 
+def test_a_chat_template_given_instead_of_the_models(tmp_path) -> None:
+    """vLLM's --chat-template: the new template renders (with the calls of TOOLS_TEMPLATE,
+    by hand), the vocabulary and the model's EOS stay, and an end-of-turn marker the new
+    template writes ends the output too; a file's path reads as its text."""
+    from verifier.models.tokenizer import read_chat_template
+
+    tiny = Tokenizer.from_gguf(_tiny_gguf(tmp_path))
+    assert tiny.eos_token_ids == {0}
+    chat = tiny.with_chat_template(TOOLS_TEMPLATE)
+    messages = [{"role": "user", "content": "123"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]}]
+    assert chat.apply_chat_template(messages, add_generation_prompt=False) == 'user: 123assistant: [add {"a": 1}]'
+    assert chat.eos_token_ids == {0} and chat.encode("123") == tiny.encode("123") and chat.vocab_size == tiny.vocab_size
+    assert tiny.chat_template is None and chat.chat_template == TOOLS_TEMPLATE  # the model's own tokenizer unchanged
+    chatml = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    assert tiny.with_chat_template(chatml).eos_token_ids == {0, 15}
+    path = tmp_path / "chat.jinja"
+    path.write_text(chatml)
+    assert read_chat_template(str(path)) == chatml == read_chat_template(chatml)
+    for bad, message in ((str(tmp_path / "missing.jinja"), "neither a Jinja template"), ("{% if %}", "does not compile")):
+        with pytest.raises(ModelLoadError, match=message):
+            read_chat_template(bad)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

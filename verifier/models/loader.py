@@ -83,20 +83,24 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str | torch.dtype 
     raise ModelLoadError(f"model path {str(p)!r} is neither a .gguf file nor a checkpoint directory")
 
 
-def load_tokenizer(model: str | None, tokenizer: str | None = None, gguf_reader=None) -> Tokenizer:
+def load_tokenizer(model: str | None, tokenizer: str | None = None, gguf_reader=None,
+                   chat_template: str | None = None) -> Tokenizer:
     """The tokenizer of `model`: from `tokenizer` (a directory) if given, else from the
-    GGUF metadata (read through `gguf_reader` when given) or the checkpoint directory."""
+    GGUF metadata (read through `gguf_reader` when given) or the checkpoint directory;
+    with `chat_template` (a Jinja template's text) instead of the model's own."""
     if tokenizer is not None:
-        return Tokenizer.from_dir(tokenizer)
-    from verifier.models.bundled import bundled_model_path
+        tok = Tokenizer.from_dir(tokenizer)
+    else:
+        from verifier.models.bundled import bundled_model_path
 
-    path = pathlib.Path(model) if model is not None else bundled_model_path()
-    if path.is_dir():
-        return Tokenizer.from_dir(path)
-    return Tokenizer.from_gguf(gguf_reader if gguf_reader is not None else path)
+        path = pathlib.Path(model) if model is not None else bundled_model_path()
+        tok = Tokenizer.from_dir(path) if path.is_dir() else Tokenizer.from_gguf(
+            gguf_reader if gguf_reader is not None else path)
+    return tok if chat_template is None else tok.with_chat_template(chat_template)
 
 
-def load_model_and_tokenizer(model: str | None, tokenizer: str | None, dtype: str) -> tuple[LlamaModel, Tokenizer]:
+def load_model_and_tokenizer(model: str | None, tokenizer: str | None, dtype: str,
+                             chat_template: str | None = None) -> tuple[LlamaModel, Tokenizer]:
     """Both halves of a target, parsing a GGUF file once for the two."""
     from verifier.models.bundled import bundled_model_path
 
@@ -106,7 +110,7 @@ def load_model_and_tokenizer(model: str | None, tokenizer: str | None, dtype: st
         import gguf
 
         reader = gguf.GGUFReader(str(path))
-    return load_model(model, dtype, gguf_reader=reader), load_tokenizer(model, tokenizer, gguf_reader=reader)
+    return load_model(model, dtype, gguf_reader=reader), load_tokenizer(model, tokenizer, reader, chat_template)
 
 
 def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ spells them; each regex isolates its matches and the next one splits the pieces 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import json
@@ -125,7 +126,7 @@ class Tokenizer:
         self._add_bos = add_bos
         self._chat_template = chat_template
         self._vocab_type = vocab_type
-        self._compiled_template = _compile_chat_template(chat_template) if chat_template else None
+        self._compiled_template = compile_chat_template(chat_template) if chat_template else None
         self._token_bytes: dict[int, bytes] = {}
 
     # --- construction -------------------------------------------------------------------
@@ -269,6 +270,22 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer with `template` (Jinja) instead of the model's own chat template,
+        as vLLM's `--chat-template`: the vocabulary is shared, and the end-of-turn
+        markers the new template writes (`<|im_end|>`, `<|eot_id|>`, ...) end the output
+        too, beside the model's EOS ids. `ModelLoadError` when it does not compile.
+
+        >>> chat = tok.with_chat_template("{% for m in messages %}{{ m.role }}: {{ m.content }};{% endfor %}")
+        >>> chat.apply_chat_template([{"role": "user", "content": "Hi"}])
+        'user: Hi;'
+        """
+        other = copy.copy(self)
+        other._compiled_template = compile_chat_template(template)
+        other._chat_template = template
+        other._eos_token_ids = _eos_token_ids(self._eos_token_ids, template, self._backend)
+        return other
 
     # --- text <-> ids -------------------------------------------------------------------
 
@@ -488,7 +505,23 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def _compile_chat_template(source: str) -> jinja2.Template:
+def read_chat_template(template_or_path: str) -> str:
+    """The text of a chat template given as vLLM's `--chat-template` takes one: the
+    template itself (it holds a `{{` or `{%`) or the path of a file holding it (a leading
+    ~ is the user's home). `ModelLoadError` when it is neither or does not compile."""
+    text = template_or_path
+    if "{{" not in text and "{%" not in text:
+        path = pathlib.Path(os.path.expanduser(text))
+        if not path.is_file():
+            raise ModelLoadError(f"{text!r} is neither a Jinja template (no '{{{{' or '{{%') nor a file")
+        text = path.read_text()
+    compile_chat_template(text)
+    return text
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled as HF transformers compiles one (sandboxed, `tojson`,
+    `raise_exception`, `strftime_now`); `ModelLoadError` when it does not compile."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
