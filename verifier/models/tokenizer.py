@@ -275,12 +275,9 @@ class Tokenizer:
         """This tokenizer with `template` (Jinja) instead of the model's own chat template,
         as vLLM's `--chat-template`: the vocabulary is shared, and the end-of-turn
         markers the new template writes (`<|im_end|>`, `<|eot_id|>`, ...) end the output
-        too, beside the model's EOS ids. `ModelLoadError` when it does not compile.
-
-        >>> chat = tok.with_chat_template("{% for m in messages %}{{ m.role }}: {{ m.content }};{% endfor %}")
-        >>> chat.apply_chat_template([{"role": "user", "content": "Hi"}])
-        'user: Hi;'
-        """
+        too, beside the model's EOS ids. `ModelLoadError` when it does not compile. E.g.
+        with "{% for m in messages %}{{ m.role }}: {{ m.content }};{% endfor %}" a user's
+        "Hi" renders as "user: Hi;"."""
         other = copy.copy(self)
         other._compiled_template = compile_chat_template(template)
         other._chat_template = template
