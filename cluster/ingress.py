@@ -252,6 +252,17 @@ def _chat_messages(chat: list[ChatMessage]) -> tuple[dict[str, Any], ...]:
     return tuple(messages)
 
 
+def _json_object(text: str, param: str) -> dict[str, Any]:
+    """A gRPC field's JSON object text, parsed; a 400 naming `param` when it is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ApiError(400, f"{param}: not JSON: {exc}", param) from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"{param}: must be a JSON object", param)
+    return value
+
+
 #: GenerateRequest's fields that only a conversation takes (the chat template reads them).
 _GRPC_CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
@@ -267,14 +278,7 @@ def _grpc_chat(r: generate_pb2.GenerateRequest) -> dict[str, Any]:
                                f"messages.{i}.tool_calls.{j}.name")
         calls = [(c.id or None, c.name, c.arguments) for c in m.tool_calls] or None
         messages.append(_template_message(m.role, m.content, calls, m.tool_call_id or None, m.name or None))
-    kwargs: dict[str, Any] = {}
-    if r.chat_template_kwargs:
-        try:
-            kwargs = json.loads(r.chat_template_kwargs)
-        except ValueError as exc:
-            raise ApiError(400, f"chat_template_kwargs: not JSON: {exc}", "chat_template_kwargs") from None
-        if not isinstance(kwargs, dict):
-            raise ApiError(400, "chat_template_kwargs: must be a JSON object", "chat_template_kwargs")
+    kwargs = _json_object(r.chat_template_kwargs, "chat_template_kwargs") if r.chat_template_kwargs else {}
     return dict(messages=tuple(messages), continue_final_message=r.continue_final_message,
                 add_generation_prompt=r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
                 chat_template_kwargs=tuple(kwargs.items()))
@@ -337,12 +341,7 @@ def _grpc_tools(r: generate_pb2.GenerateRequest) -> tuple[tuple[dict[str, Any], 
             if t.description:
                 function["description"] = t.description
             if t.parameters:
-                try:
-                    function["parameters"] = json.loads(t.parameters)
-                except ValueError as exc:
-                    raise ApiError(400, f"tools.{i}.parameters: not JSON: {exc}", f"tools.{i}.parameters") from None
-                if not isinstance(function["parameters"], dict):
-                    raise ApiError(400, f"tools.{i}.parameters: must be a JSON object", f"tools.{i}.parameters")
+                function["parameters"] = _json_object(t.parameters, f"tools.{i}.parameters")
             functions.append({"type": "function", "function": function})
         tools = tuple(functions)
     which = r.tool_choice.WhichOneof("choice")
