@@ -327,7 +327,7 @@ def build_app(config: SplitspecConfig):
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max(64, 2 * (per_replica + 8) * max_verifiers),
         graceful_shutdown_timeout_s=5.0,
-    ).bind(verifier, served_model_name(config), v.max_model_len)
+    ).bind(verifier, served_model_name(config), v.max_model_len, config.model.tool_call_parser)
     return ingress
 
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from cluster.tool_calls import CallDeltas, Calls, call_finish_reason, message_calls, tool_choice_output
+from cluster.tool_calls import CallDeltas, Calls, call_finish_reason, read_output, tool_choice_output
 from protos import trace_context
 from protos.splitspec.v1 import generate_pb2
 from verifier.errors import InvalidRequestError
@@ -187,7 +187,7 @@ class ChatCompletionBody(_Common):
     add_generation_prompt: bool = True  # vLLM extension: open the assistant's turn
     continue_final_message: bool = False  # vLLM extension: the output continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: more template variables
-    #: Default: "auto" when tools are given (refused: no tool-call parser), else "none".
+    #: Default: "auto" when tools are given (refused without model.tool_call_parser), else "none".
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     #: False: "required" makes one call, not one or more.
     parallel_tool_calls: bool = True
@@ -298,23 +298,28 @@ def _arguments(text: str) -> Any:
 
 
 def _tool_calls(tools: Sequence[dict[str, Any]] | None, choice: str | Calls | None, parallel: bool,
-                structured_output: StructuredOutput | None) -> tuple[Calls | None, StructuredOutput | None]:
+                structured_output: StructuredOutput | None,
+                parser: str | None) -> tuple[Calls | None, StructuredOutput | None]:
     """What `tools` (as the chat template reads them) and `tool_choice` (None: unset;
     "none", "auto", "required", or `Calls(name)` for a named function) ask of the output:
     the calls it is read as (None: text) and what it must match, with `structured_output`
-    (the response_format's)."""
+    (the response_format's). `parser`: the config's `model.tool_call_parser`, which reads
+    "auto"'s calls out of free text (None: "auto" is refused)."""
     functions = [t["function"] for t in tools or ()]
     choice = choice if choice is not None else ("auto" if functions else "none")
     if choice == "none":
         return None, structured_output
     if not functions:
         raise ApiError(400, "tool_choice: needs tools to choose from", "tool_choice")
-    if choice == "auto":
+    if choice == "auto" and parser is None:
         raise ApiError(400, 'tool_choice: "auto" (the default with tools) needs a tool-call parser for the model, '
-                            'and splitspec has none; ask for "required", a named function or "none"', "tool_choice")
+                            'and this service has none (model.tool_call_parser in its config); ask for "required", '
+                            'a named function or "none"', "tool_choice")
     if structured_output is not None:
         raise ApiError(400, "tool_choice: a tool call cannot also follow response_format or structured_outputs",
                        "tool_choice")
+    if choice == "auto":
+        return Calls(None, parser, tuple(f["name"] for f in functions), parallel), None
     if choice == "required":
         try:
             return Calls(None), tool_choice_output(functions, "required", parallel)
@@ -647,11 +652,12 @@ def _sse(data: Any) -> str:
 # ---------------------------------------------------------------------- the deployment
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, verifier, model_name: str, max_model_len: int) -> None:
+    def __init__(self, verifier, model_name: str, max_model_len: int, tool_call_parser: str | None = None) -> None:
         self._verifier = verifier.options(stream=True)
         self._plain = verifier
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
         self._metrics_url: str | None = None
 
@@ -733,16 +739,19 @@ class Ingress:
         choices = []
         for i, out in enumerate(outputs):
             text = "".join(out.text)
+            made: list[dict[str, Any]] = []
             if chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
-                if calls is not None:  # OpenAI's calls have no content
-                    message.update(content=None, tool_calls=message_calls(calls, text))
+                if calls is not None:
+                    message["content"], made = read_output(calls, text)
+                    if made or calls.parser is None:
+                        message["tool_calls"] = made
                 choice = {"index": i, "message": message,
                           "logprobs": None if out.logprobs is None else _chat_logprobs(out.logprobs)}
             else:
                 choice = {"index": i, "text": text,
                           "logprobs": None if out.logprobs is None else _completion_logprobs(out.logprobs, 0)}
-            choice["finish_reason"] = call_finish_reason(calls, out.final["finish_reason"])
+            choice["finish_reason"] = call_finish_reason(calls, out.final["finish_reason"], len(made))
             if token_ids:
                 choice["token_ids"] = out.token_ids
             if out.prompt_logprobs is not None and not chat:
@@ -778,11 +787,14 @@ class Ingress:
         call_deltas = [CallDeltas(calls) for _ in range(n)] if calls is not None else None
 
         def chunk(i: int, text: str | None, finish: str | None, role: bool = False,
-                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                  logprobs: list[dict[str, Any]] | None = None, read: tuple | None = None) -> dict[str, Any]:
+            """`read`: the text as tool calls read it, `(content, tool_calls)`."""
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                if call_deltas is not None and not role:
-                    tool_calls = call_deltas[i](text or "", finish is not None)
+                if read is not None:
+                    content, tool_calls = read
+                    if content:
+                        delta["content"] = content
                     if tool_calls:
                         delta["tool_calls"] = tool_calls
                 elif text is not None:
@@ -814,8 +826,10 @@ class Ingress:
                 event = _without_output(event)
             num_output[i] += len(event.get("token_ids", []))
             if event.get("text") or event.get("token_ids") or final:
-                finish = call_finish_reason(calls, event["finish_reason"]) if final else None
-                data = chunk(i, event.get("text", ""), finish, logprobs=event.get("logprobs"))
+                read = None if call_deltas is None else call_deltas[i](event.get("text", ""), final)
+                finish = None if not final else call_finish_reason(
+                    calls, event["finish_reason"], 0 if call_deltas is None else call_deltas[i].count)
+                data = chunk(i, event.get("text", ""), finish, logprobs=event.get("logprobs"), read=read)
                 if token_ids:
                     data["choices"][0]["token_ids"] = event.get("token_ids", [])
                 if final:
@@ -911,7 +925,7 @@ class Ingress:
                 choice = Calls(choice.function.name)
             tools = _tool_dicts(body.tools)
             calls, common["structured_output"] = _tool_calls(tools, choice, body.parallel_tool_calls,
-                                                             common["structured_output"])
+                                                             common["structured_output"], self.tool_call_parser)
             inp = GenerateInput(messages=messages, tools=tools,
                                 add_generation_prompt=body.add_generation_prompt,
                                 continue_final_message=body.continue_final_message,
@@ -991,11 +1005,15 @@ class Ingress:
             if calls is not None:
                 texts[message.index].append(message.text)
             if event["event"] == "final":
-                message.finish_reason = call_finish_reason(calls, event["finish_reason"])
+                made: list[dict[str, Any]] = []
                 if calls is not None:
+                    content, made = read_output(calls, "".join(texts[message.index]))
                     message.tool_calls.extend(
                         generate_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
-                        for c in message_calls(calls, "".join(texts[message.index])))
+                        for c in made)
+                    if calls.parser is not None:
+                        message.content = content or ""
+                message.finish_reason = call_finish_reason(calls, event["finish_reason"], len(made))
                 message.usage.CopyFrom(generate_pb2.Usage(**event["usage"]))
                 s = event["speculation"]
                 message.speculation.CopyFrom(generate_pb2.SpeculationStats(
@@ -1054,7 +1072,7 @@ class Ingress:
         tools, choice = _grpc_tools(r)
         calls, fields["structured_output"] = _tool_calls(
             tools, choice, r.parallel_tool_calls if r.HasField("parallel_tool_calls") else True,
-            fields.get("structured_output"))
+            fields.get("structured_output"), self.tool_call_parser)
         if which == "messages":
             return GenerateInput(tools=tools, **_grpc_chat(r), **fields), calls
         chat_options = [f.name for f, _ in r.ListFields() if f.name in _GRPC_CHAT_OPTIONS]

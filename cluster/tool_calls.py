@@ -1,19 +1,24 @@
-"""Tool calling on structured outputs: `tools` and `tool_choice` of the chat API.
+"""Tool calling: `tools` and `tool_choice` of the chat API.
 
-There is no tool-call parser for the bundled model (SmolLM2's chat template knows no
-tools), so a call is made only when the request asks for one, and the grammar makes the
-output a call, as vLLM's named and "required" tool choices did up to its 0.11 (later
-versions refuse them without a parser):
+A named function and `"required"` are structured outputs: the grammar makes the output a
+call, as vLLM's named and "required" tool choices did up to its 0.11 (later versions
+refuse them without a parser). `"auto"` is free text read by a tool-call parser, as
+vLLM's `--enable-auto-tool-choice --tool-call-parser`:
 
 - a named function (`{"type": "function", "function": {"name": N}}`): the output is
   N's arguments, a JSON object matching N's `parameters` schema;
 - `"required"`: the output is a JSON array of one or more calls, each
   `{"name": N, "parameters": {...}}` for one of the tools (`required_schema`);
 - `"none"`: free text (the tools still reach the chat template);
-- `"auto"` (OpenAI's default when tools are given) needs a parser: refused with a 400.
+- `"auto"` (OpenAI's default when tools are given): free text, read by the parser the
+  config names (`model.tool_call_parser`; none set: a 400). `"hermes"` (`HermesReader`):
+  each `<tool_call>{"name": N, "arguments": {...}}</tool_call>` block naming one of the
+  tools is a call, the rest of the text is the content. The bundled SmolLM2's template
+  knows no tools, so it writes such blocks only when the conversation shows it how (or a
+  `model.chat_template` that renders the tools does).
 
-The output is decoded like any structured output (exact under speculation); this
-module builds the schema and reads the calls back out of the text.
+The output is decoded like any other (exact under speculation); this module builds the
+schemas and reads the calls back out of the text.
 """
 
 from __future__ import annotations
@@ -122,47 +127,168 @@ class CallReader:
         return i
 
 
+#: Hermes's call markers (NousResearch's Hermes 2 Pro format, which Qwen2.5 and many
+#: fine-tunes write too).
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class HermesReader:
+    """Reads Hermes-style calls out of free text as it grows (`tool_choice: "auto"`).
+
+    A `<tool_call>...</tool_call>` block is a call when it holds a JSON object with a
+    `name` among `names` and `arguments` (or `parameters`) an object, or none; any other
+    block (bad JSON, a function not offered) stays in the content as written, and so does
+    a block left open at the end unless what it holds is a whole call. The whitespace
+    around calls is dropped, except the run before the first call when content follows
+    the calls (it joins the content before them to the content after); without calls the
+    content is the text as written. `parallel` False (`parallel_tool_calls: false`): the
+    first call only.
+
+    `feed` returns the content and the calls the new text completes, so a stream gives
+    each piece once: content is held back only while it may still open a block (a
+    trailing `<tool`) or be whitespace before one.
+
+    >>> r = HermesReader(["add"])
+    >>> r.feed('Sure. <tool'), r.feed('_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    (('Sure.', []), ('', [('add', '{"a": 1}')]))
+    >>> HermesReader(["add"]).feed('<tool_call>{"name": "sub"}</tool_call> no', final=True)
+    ('<tool_call>{"name": "sub"}</tool_call> no', [])
+    """
+
+    def __init__(self, names, parallel: bool = True) -> None:
+        self.names = frozenset(names)
+        self.parallel = parallel
+        self.count = 0  # calls returned
+        self._buf = ""  # text not yet returned: an open block, or what may start one
+        self._held = ""  # whitespace after the content returned, until what follows decides
+        self._in_block = False
+        self._after_call = False  # no content since the last call
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[tuple[str, str]]]:
+        self._buf += text
+        content: list[str] = []
+        calls: list[tuple[str, str]] = []
+        while True:
+            if self._in_block:
+                end = self._buf.find(CALL_CLOSE)
+                if end < 0 and not final:
+                    break
+                block, rest = (self._buf, "") if end < 0 else (self._buf[:end], self._buf[end + len(CALL_CLOSE):])
+                self._buf, self._in_block = rest, False
+                call = self._call(block)
+                if call is None:
+                    content.append(self._content(CALL_OPEN + block + ("" if end < 0 else CALL_CLOSE)))
+                else:
+                    self._after_call = True
+                    if self.parallel or not self.count:
+                        calls.append(call)
+                        self.count += 1
+                continue
+            start = self._buf.find(CALL_OPEN)
+            if start >= 0:
+                content.append(self._content(self._buf[:start]))
+                self._buf, self._in_block = self._buf[start + len(CALL_OPEN):], True
+                continue
+            keep = 0 if final else next(
+                (n for n in range(min(len(CALL_OPEN) - 1, len(self._buf)), 0, -1)
+                 if self._buf.endswith(CALL_OPEN[:n])), 0)
+            content.append(self._content(self._buf[:len(self._buf) - keep]))
+            self._buf = self._buf[len(self._buf) - keep:]
+            if final:
+                if not self.count:
+                    content.append(self._held)
+                self._held = ""
+            break
+        return "".join(content), calls
+
+    def _content(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._after_call = False
+        text = self._held + text
+        shown = text.rstrip()
+        self._held = text[len(shown):]
+        return shown
+
+    def _call(self, block: str) -> tuple[str, str] | None:
+        try:
+            value = json.loads(block)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in self.names:
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if not isinstance(arguments, dict):
+            return None
+        return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class Calls:
     """The output is tool calls: one call of the function `name` (its arguments are the
-    text), or, for name None, `tool_choice: "required"`'s array."""
+    text), or, for name None, `tool_choice: "required"`'s array, or, with a `parser`,
+    `"auto"`'s free text, read by that parser for calls of the functions `names`."""
 
     name: str | None
+    parser: str | None = None
+    names: tuple[str, ...] = ()
+    parallel: bool = True
+
+    def reader(self) -> HermesReader:
+        return HermesReader(self.names, self.parallel)
 
 
-def message_calls(calls: Calls, text: str) -> list[dict[str, Any]]:
-    """A whole response's `tool_calls`; a "required" output cut short gives the calls
-    it completed."""
+def _call_dicts(found: list[tuple[str, str]], first: int | None = None) -> list[dict[str, Any]]:
+    """OpenAI's `tool_calls` entries; `first`: a stream's deltas, indexed from it."""
+    return [{**({} if first is None else {"index": first + j}), "id": tool_call_id(), "type": "function",
+             "function": {"name": name, "arguments": arguments}} for j, (name, arguments) in enumerate(found)]
+
+
+def read_output(calls: Calls, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole output's content and `tool_calls`. Forced calls have no content (OpenAI's
+    have none); a "required" output cut short gives the calls it completed; "auto" gives
+    the text outside the calls (None when there is none), or, without calls, the text."""
+    if calls.parser is not None:
+        content, found = calls.reader().feed(text, final=True)
+        return (content or None) if found else content, _call_dicts(found)
     found = [(calls.name, text)] if calls.name is not None else CallReader().feed(text)
-    return [{"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-            for name, arguments in found]
+    return None, _call_dicts(found)
 
 
-def call_finish_reason(calls: Calls | None, finish: str) -> str:
-    # OpenAI ends a forced call of a named function with "stop", and calls the model
-    # chose ("required") with "tool_calls".
-    return "tool_calls" if calls is not None and calls.name is None and finish == "stop" else finish
+def call_finish_reason(calls: Calls | None, finish: str, made: int = 0) -> str:
+    """OpenAI ends a forced call of a named function with "stop", and calls the model
+    chose ("required", or "auto" that made `made` > 0 calls) with "tool_calls"."""
+    if calls is None or calls.name is not None or finish != "stop" or (calls.parser is not None and not made):
+        return finish
+    return "tool_calls"
 
 
 class CallDeltas:
-    """A streamed output's `delta.tool_calls`: a named call opens with its id and name
-    and streams its arguments as written; "required" calls come each whole, once read."""
+    """A streamed output's deltas: `(content, tool_calls)` for each new piece of text. A
+    named call opens with its id and name and streams its arguments as written;
+    "required" calls, and "auto"'s, come each whole, once read, and "auto"'s content
+    streams as it is written (held back only while it may open a call)."""
 
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
         self.count = 0
         self.reader = CallReader()
+        self.hermes = calls.reader() if calls.parser is not None else None
 
-    def __call__(self, text: str, final: bool) -> list[dict[str, Any]]:
-        if self.calls.name is None:
+    def __call__(self, text: str, final: bool) -> tuple[str | None, list[dict[str, Any]]]:
+        content = None
+        if self.hermes is not None:
+            content, found = self.hermes.feed(text, final)
+        elif self.calls.name is None:
             found = self.reader.feed(text)
         elif not (text or (final and self.count == 0)):
-            return []
+            return None, []
         elif self.count:
-            return [{"index": 0, "function": {"arguments": text}}]
+            return None, [{"index": 0, "function": {"arguments": text}}]
         else:
             found = [(self.calls.name, text)]
-        deltas = [{"index": self.count + j, "id": tool_call_id(), "type": "function",
-                   "function": {"name": name, "arguments": arguments}} for j, (name, arguments) in enumerate(found)]
+        deltas = _call_dicts(found, self.count)
         self.count += len(found)
-        return deltas
+        return content or None, deltas

@@ -111,8 +111,9 @@ _VERIFIER = {"num_threads": 2, "proposer_deadline_ms": 200}
 @pytest.fixture(scope="session")
 def main_app(serve_cluster) -> ServedApp:
     """n-gram speculation under the default goodput controller (k = 4 for `mode: on`),
-    one proposer replica, room for 12 requests."""
+    one proposer replica, room for 12 requests; Hermes tool calls for tool_choice auto."""
     return _deploy(serve_cluster, "main", "/", {
+        "model": {"tool_call_parser": "hermes"},
         "proposers": [{"method": "ngram", "resources": {"num_cpus": 0.25}}],
         "verifier": {**_VERIFIER, "max_num_seqs": 8, "max_model_len": 1024, "max_waiting": 4,
                      "resources": {"num_cpus": 1}},

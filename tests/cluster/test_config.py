@@ -111,6 +111,7 @@ def test_a_bare_policy_off_is_the_off_policy(tmp_path):
         ("model: {dtype: float16}", "model.dtype", "'float16'"),
         ("model: {chat_template: no/such/chat.jinja}", "model.chat_template", "is neither a Jinja template"),
         ("model: {chat_template: '{% if %}'}", "model.chat_template", "does not compile"),
+        ("model: {tool_call_parser: mistral}", "model.tool_call_parser", "'hermes'"),
         ("controller: {k: 40}", "controller.k", "less than or equal to 16"),
         ("controller: {policy: adaptive}", "controller.policy", "'adaptive'"),
         ("controller: {sequence_share: -0.1}", "controller.sequence_share", "greater than or equal to 0"),

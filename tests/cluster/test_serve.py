@@ -709,6 +709,100 @@ def test_tool_calls_named_and_required_over_http(main_app, model, tokenizer, gre
     assert r.usage.prompt_tokens == len(tokenizer.encode(tokenizer.apply_chat_template(rendered)))
 
 
+#: A conversation that shows the bundled model how to call a tool (SmolLM2's template
+#: renders no tools): Hermes's <tool_call> blocks, each after a sentence.
+HERMES_SYSTEM = ('You can call functions. To call one, write <tool_call>{"name": NAME, "arguments": {...}}'
+                 '</tool_call>. Functions: get_weather(location, unit), add(a, b).')
+HERMES_SHOTS = [
+    {"role": "system", "content": HERMES_SYSTEM},
+    {"role": "user", "content": "What is the weather in Berlin, in celsius?"},
+    {"role": "assistant", "content": 'I will look it up.\n<tool_call>{"name": "get_weather", "arguments": '
+                                     '{"location": "Berlin", "unit": "celsius"}}</tool_call>'},
+    {"role": "user", "content": "What is 2 plus 3?"},
+    {"role": "assistant", "content": 'I will add them.\n<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}'
+                                     '</tool_call>'},
+]
+
+
+def _hermes_by_hand(text: str, names) -> tuple[str | None, list[tuple[str, dict]]]:
+    """The content and calls of a text that is a sentence and at most one block: the
+    block is a call when its JSON is an object naming one of `names` with object
+    arguments; else the whole text is content."""
+    m = re.fullmatch(r"(.*?)\n<tool_call>(.*)</tool_call>", text, re.S)
+    if m:
+        try:
+            call = json.loads(m[2])
+        except ValueError:
+            call = None
+        if isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments"), dict):
+            return m[1], [(call["name"], call["arguments"])]
+    return text, []
+
+
+def test_tool_choice_auto_reads_hermes_calls_out_of_free_text(main_app, model, tokenizer):
+    """main_app's config has model.tool_call_parser: hermes, so "auto" (the default with
+    tools) is free text: the output is plain decoding's, and a <tool_call> block naming
+    one of the tools is a call (finish_reason tool_calls), the sentence before it the
+    content; a block with bad JSON or naming no tool stays text. Read back here by a
+    regex and json.loads. Whole, streamed (content and calls), and over gRPC."""
+    from verifier.controller import Controller
+    from verifier.engine import Engine, EngineConfig
+    from verifier.sampling_params import SamplingParams
+
+    questions = ["What is 7 plus 5?", "What is the weather in Lyon, in fahrenheit?",
+                 "What is the weather in Paris, in celsius?", "Hi! How are you?"]
+    conversations = [[*HERMES_SHOTS, {"role": "user", "content": q}] for q in questions]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in conversations]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=1024), None, Controller.off())
+    plain = engine.generate_sync(prompts, SamplingParams(max_tokens=60, temperature=0.0))
+    names = [t["function"]["name"] for t in TOOLS]
+    want = [_hermes_by_hand(_text(tokenizer, out.token_ids), names) for out in plain]
+    # The conversations cover a call, blocks that are not calls, and text without blocks.
+    assert [bool(calls) for _, calls in want] == [True, False, False, False], want
+    assert ["<tool_call>" in _text(tokenizer, out.token_ids) for out in plain] == [True, True, True, False]
+    assert all(out.finish_reason.value == "stop" for out in plain)
+    client = _client(main_app)
+    extra = {"speculation": {"mode": "on"}, "return_token_ids": True}
+    for conversation, out, (content, calls) in zip(conversations, plain, want):
+        r = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
+                                           temperature=0, extra_body=extra)
+        c = r.choices[0]
+        assert c.model_extra["token_ids"] == out.token_ids
+        assert c.message.content == content
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or []] == calls
+        assert c.message.tool_calls is None if not calls else all(
+            t.id.startswith("chatcmpl-tool-") and t.type == "function" for t in c.message.tool_calls)
+        assert c.finish_reason == ("tool_calls" if calls else "stop")
+        streamed, got_calls, finish = "", [], None
+        for chunk in client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
+                                                    temperature=0, tool_choice="auto", stream=True, extra_body=extra):
+            delta = chunk.choices[0].delta
+            streamed += delta.content or ""
+            got_calls += [(d.index, d.function.name, json.loads(d.function.arguments)) for d in delta.tool_calls or []]
+            finish = chunk.choices[0].finish_reason or finish
+        assert streamed == content and got_calls == [(i, *call) for i, call in enumerate(calls)]
+        assert finish == c.finish_reason
+    assert r.model_extra["speculation"]["drafted"] > 0
+    # parallel_tool_calls false keeps the one call; over gRPC the last message carries the
+    # calls and the content.
+    r = client.chat.completions.create(model=MODEL, messages=conversations[0], tools=TOOLS, max_tokens=60,
+                                       temperature=0, parallel_tool_calls=False)
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in r.choices[0].message.tool_calls] == want[0][1]
+    tools = [generate_pb2.Tool(name=t["function"]["name"], parameters=json.dumps(t["function"]["parameters"]))
+             for t in TOOLS]
+    for conversation, out, (content, calls) in list(zip(conversations, plain, want))[::3]:
+        messages = _grpc_generate(main_app, generate_pb2.GenerateRequest(
+            messages=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**m) for m in conversation]),
+            max_tokens=60, temperature=0.0, tools=tools, tool_choice=generate_pb2.ToolChoice(mode="auto")))
+        last = messages[-1]
+        assert [t for m in messages for t in m.token_ids] == out.token_ids
+        assert "".join(m.text for m in messages) == _text(tokenizer, out.token_ids)
+        assert last.HasField("content") and last.content == content
+        assert [(t.name, json.loads(t.arguments)) for t in last.tool_calls] == calls
+        assert last.finish_reason == ("tool_calls" if calls else "stop")
+        assert not any(m.HasField("content") or m.tool_calls for m in messages[:-1])
+
+
 def greedy_ids(app, conversation) -> list[int]:
     r = _client(app).chat.completions.create(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
                                              extra_body={"return_token_ids": True})
@@ -875,8 +969,7 @@ def test_bad_input_is_400_naming_the_field(main_app, kwargs, param):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: no tool-call parser
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice"),  # "auto" by default
     ({"tool_choice": "required"}, "tool_choice"),  # no tools
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
@@ -1003,7 +1096,7 @@ def test_tool_calls_over_grpc(main_app, model, tokenizer):
     messages = _grpc_generate(main_app, request(add_chat, tools=tools, tool_choice=generate_pb2.ToolChoice(mode="none")))
     assert messages[-1].finish_reason in ("stop", "length") and not messages[-1].tool_calls
     for kw, param in (
-            ({"tools": tools}, "tool_choice"),  # "auto" by default: no tool-call parser
+            ({"tool_choice": generate_pb2.ToolChoice(mode="auto")}, "tool_choice"),  # no tools
             ({"tools": tools, "tool_choice": generate_pb2.ToolChoice(function="nowhere")}, "tool_choice"),
             ({"tools": tools, "tool_choice": generate_pb2.ToolChoice(mode="sometimes")}, "tool_choice"),
             ({"tool_choice": generate_pb2.ToolChoice(mode="required")}, "tool_choice"),  # no tools
@@ -1159,6 +1252,23 @@ def test_a_chat_template_from_the_config_renders_the_conversations(tight_app, to
         messages=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**chat[0])]), max_tokens=6,
         temperature=0.0))
     assert [t for m in messages for t in m.token_ids] == greedy([want], 6)[0]
+
+
+def test_tool_choice_auto_without_a_parser_is_400_naming_it(tight_app):
+    """tight_app's config names no model.tool_call_parser: "auto", tools' default, is a
+    400 / INVALID_ARGUMENT naming tool_choice, as vLLM without --enable-auto-tool-choice."""
+    client = _client(tight_app, max_retries=0)
+    chat = [{"role": "user", "content": "Hi"}]
+    for kwargs in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=chat, max_tokens=4, **kwargs)
+        error = info.value.body
+        assert error["param"] == "tool_choice" and "model.tool_call_parser" in error["message"], error
+    with pytest.raises(grpc.RpcError) as info:
+        _grpc_generate(tight_app, generate_pb2.GenerateRequest(
+            messages=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**chat[0])]), max_tokens=4,
+            tools=[generate_pb2.Tool(name="add")]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("tool_choice")
 
 
 def test_disconnect_aborts_and_frees_kv(main_app):

@@ -1,5 +1,5 @@
-"""`cluster/tool_calls.py`: the schema of `tool_choice: "required"` and reading calls
-back out of a growing output (expectations written by hand). The calls served over HTTP
+"""`cluster/tool_calls.py`: the schema of `tool_choice: "required"`, reading calls back
+out of a growing output, and `"auto"`'s Hermes parser (expectations written by hand). The calls served over HTTP
 are tested in tests/cluster/test_serve.py."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from cluster.tool_calls import NO_PARAMETERS, CallReader, required_schema, tool_choice_output
+from cluster.tool_calls import (NO_PARAMETERS, CallDeltas, CallReader, Calls, HermesReader, call_finish_reason,
+                                read_output, required_schema, tool_choice_output)
 from verifier.errors import InvalidRequestError
 
 ADD = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Int"}, "b": {"$ref": "#/$defs/Int"}},
@@ -68,3 +69,85 @@ def test_text_cut_short_keeps_the_calls_it_completed():
     assert CallReader().feed(cut) == [("add", '{"a": 12, "b": {"c": "}"}}')]
     assert CallReader().feed("[") == [] and CallReader().feed("") == []
     assert CallReader().feed('[{"name": "é", "parameters": {"x": "ü"}}]') == [("é", '{"x": "ü"}')]
+
+
+NAMES = ("get_weather", "add")
+WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Lyon", "unit": "celsius"}}\n</tool_call>'
+ADD_CALL = '<tool_call>{"name": "add", "parameters": {"a": 1, "b": 2}}</tool_call>'
+WEATHER_ARGS, ADD_ARGS = '{"location": "Lyon", "unit": "celsius"}', '{"a": 1, "b": 2}'
+
+#: (text, its content, its calls): Hermes blocks read by hand.
+HERMES = [
+    # Content before the calls; the whitespace around them dropped.
+    (f"Let me look.\n{WEATHER_CALL}\n{ADD_CALL}\n", "Let me look.", [("get_weather", WEATHER_ARGS), ("add", ADD_ARGS)]),
+    (f"{ADD_CALL}", "", [("add", ADD_ARGS)]),
+    # Content after a call joins the content before it with the whitespace before the call.
+    (f"Sure.\n\n{ADD_CALL}\n Done. ", "Sure.\n\nDone.", [("add", ADD_ARGS)]),
+    # Not calls: text as written (bad JSON, a function not offered, arguments not an
+    # object, no name), and so are a "<tool" that opens nothing and a block cut short.
+    ("a <tool or <tool_call", "a <tool or <tool_call", []),
+    ('x\n<tool_call>{"name": "weather", "arguments": {"t": 25C}}</tool_call>\n',
+     'x\n<tool_call>{"name": "weather", "arguments": {"t": 25C}}</tool_call>\n', []),
+    ('<tool_call>{"name": "sub", "arguments": {}}</tool_call>', '<tool_call>{"name": "sub", "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "add", "arguments": "1, 2"}</tool_call>', '<tool_call>{"name": "add", "arguments": "1, 2"}</tool_call>', []),
+    ('<tool_call>["add"]</tool_call> \n', '<tool_call>["add"]</tool_call> \n', []),
+    ('<tool_call>{"name": "add", "argu', '<tool_call>{"name": "add", "argu', []),
+    ("Hello,\n\n  world.\n\n", "Hello,\n\n  world.\n\n", []),
+    # A block not a call stays in the content beside one that is; a last block left open
+    # is a call if it is whole; a call without arguments takes none.
+    (f'{ADD_CALL} <tool_call>{{"name": 3}}</tool_call>\n<tool_call>{{"name": "get_weather"}}',
+     '<tool_call>{"name": 3}</tool_call>', [("add", ADD_ARGS), ("get_weather", "{}")]),
+    ('<tool_call>{"name": "add", "arguments": {"s": "é"}}</tool_call>', "", [("add", '{"s": "é"}')]),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), HERMES)
+def test_hermes_blocks_are_calls_and_the_rest_is_content(text, content, calls):
+    assert HermesReader(NAMES).feed(text, final=True) == (content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), HERMES)
+def test_hermes_streamed_in_any_pieces_reads_the_same_and_each_call_when_its_block_closes(text, content, calls):
+    for size in (1, 2, 5):
+        reader = HermesReader(NAMES)
+        got, seen = "", []
+        for i in range(0, len(text), size):
+            piece, found = reader.feed(text[i:i + size])
+            got += piece
+            seen += [(i + size, call) for call in found]
+        piece, found = reader.feed("", final=True)
+        assert got + piece == content
+        assert [c for _, c in seen] + found == calls
+        # A closed call comes with the piece that closes its block.
+        closes = [m + len("</tool_call>") for m in _find_all(text, "</tool_call>")]
+        assert all(any(at - size < c <= at for c in closes) for at, _ in seen), seen
+        if "<tool_call>" not in text:  # held back only what may open a block, and whitespace before it
+            assert content.startswith(got)
+            assert "<tool_call>".startswith(content[len(got):].lstrip()), (got, content)
+
+
+def _find_all(text: str, sub: str) -> list[int]:
+    return [i for i in range(len(text)) if text.startswith(sub, i)]
+
+
+def test_hermes_without_parallel_calls_gives_the_first_call():
+    text = f"{WEATHER_CALL}\n{ADD_CALL}"
+    assert HermesReader(NAMES, parallel=False).feed(text, final=True) == ("", [("get_weather", WEATHER_ARGS)])
+
+
+def test_auto_output_and_finish_reason():
+    auto = Calls(None, "hermes", NAMES)
+    content, calls = read_output(auto, f"Let me look.\n{ADD_CALL}")
+    assert content == "Let me look." and [c["function"] for c in calls] == [{"name": "add", "arguments": ADD_ARGS}]
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
+    assert read_output(auto, ADD_CALL)[0] is None  # OpenAI: no content
+    assert read_output(auto, "Hi.\n") == ("Hi.\n", [])
+    assert [call_finish_reason(auto, f, n) for f, n in (("stop", 1), ("stop", 0), ("length", 1))] == [
+        "tool_calls", "stop", "length"]
+    assert call_finish_reason(Calls(None), "stop") == "tool_calls"  # "required"
+    assert call_finish_reason(Calls("add"), "stop") == "stop"  # a named function
+    deltas = CallDeltas(auto)
+    assert deltas("Sure.\n<tool_c", False) == ("Sure.", [])
+    content, made = deltas('all>{"name": "add"}</tool_call>', True)
+    assert content is None and [(d["index"], d["function"]) for d in made] == [(0, {"name": "add", "arguments": "{}"})]
+    assert deltas.count == 1
