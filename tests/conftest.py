@@ -1,6 +1,6 @@
 """Session-wide fixtures: the real bundled model, its tokenizer, and the HF reference.
 
-Loading costs ~10 s (ours) and ~35 s (HF transformers' GGUF loader), so each is loaded
+Loading costs ~2 s (ours) and ~20-35 s (HF transformers' GGUF loader), so each is loaded
 once per test session.
 """
 

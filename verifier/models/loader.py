@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from verifier.errors import ModelLoadError
+from verifier.models.gguf_file import GGUFFile
 from verifier.models.config import ModelConfig, RopeScaling
 from verifier.models.llama import LayerWeights, LlamaModel
 from verifier.models.tokenizer import Tokenizer
@@ -63,8 +64,8 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str | torch.dtype 
                gguf_reader=None, layer_share: LayerShare | None = None) -> LlamaModel:
     """Load the bundled model (path None), a `.gguf` file, or an HF checkpoint directory.
 
-    `gguf_reader`: an already open `gguf.GGUFReader` of that file, so a caller that also
-    builds the tokenizer from it parses the file once (~5 s for the bundled model).
+    `gguf_reader`: an already open `GGUFFile` of that file, so a caller that also
+    builds the tokenizer from it reads the file's header once.
     `layer_share(config, layer)`: what to keep of each layer, applied as it is read, so
     that no more than one whole layer is in memory at a time (a tensor-parallel rank's
     share, `verifier.models.tensor_parallel.load_share`); the model's config stays the
@@ -107,10 +108,15 @@ def load_model_and_tokenizer(model: str | None, tokenizer: str | None, dtype: st
     path = pathlib.Path(model) if model is not None else bundled_model_path()
     reader = None
     if path.suffix == ".gguf" and path.is_file():
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
+        reader = _open(path)
     return load_model(model, dtype, gguf_reader=reader), load_tokenizer(model, tokenizer, reader, chat_template)
+
+
+def _open(path: pathlib.Path) -> GGUFFile:
+    try:
+        return GGUFFile(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read GGUF {str(path)!r}: {exc}") from None
 
 
 def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -122,12 +128,13 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _load_gguf(path: pathlib.Path, dtype: torch.dtype, reader=None, layer_share: LayerShare | None = None) -> LlamaModel:
     import gguf
 
-    reader = reader if reader is not None else gguf.GGUFReader(str(path))
-    fields = {name: f for name, f in reader.fields.items()}
+    reader = reader if reader is not None else _open(path)
 
     def meta(key: str, default=None):
-        f = fields.get(key)
-        return default if f is None else f.contents()
+        try:
+            return reader.value(key, default)
+        except UnicodeDecodeError as exc:
+            raise ModelLoadError(f"{path.name}: GGUF metadata {key!r} is not valid UTF-8: {exc}") from None
 
     arch = meta("general.architecture")
     if arch not in ("llama", "qwen2"):
@@ -145,7 +152,10 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, reader=None, layer_share:
         )
     vocab_size = meta(f"{arch}.vocab_size")
     if vocab_size is None:
-        vocab_size = len(fields["tokenizer.ggml.tokens"].data)
+        tokens = meta("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ModelLoadError(f"{path.name}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+        vocab_size = len(tokens)
     config = ModelConfig(
         architecture=arch,
         vocab_size=int(vocab_size),

@@ -32,6 +32,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from verifier.errors import InvalidRequestError, ModelLoadError
+from verifier.models.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +133,14 @@ class Tokenizer:
     # --- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path_or_reader: str | os.PathLike[str] | gguf.GGUFReader) -> Tokenizer:
+    def from_gguf(cls, path_or_reader: str | os.PathLike[str] | GGUFFile) -> Tokenizer:
         """Build the tokenizer a GGUF file describes; `ModelLoadError` names what is missing
         or unsupported (only `tokenizer.ggml.model == 'gpt2'`, byte-level BPE, is).
 
         Control, unknown and user-defined tokens become added tokens, so `<|im_end|>` in
         the text is one token, never cut. EOS ids: see `_eos_token_ids`.
         """
-        reader = path_or_reader if isinstance(path_or_reader, gguf.GGUFReader) else _open_gguf(path_or_reader)
+        reader = path_or_reader if isinstance(path_or_reader, GGUFFile) else _open_gguf(path_or_reader)
         keys = gguf.Keys.Tokenizer
         model = _gguf_value(reader, keys.MODEL)
         if model not in _SUPPORTED_MODELS:
@@ -387,26 +388,25 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
 
 
-def _open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+def _open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read GGUF {os.fspath(path)!r}: {e}") from e
 
 
-def _gguf_value(reader: gguf.GGUFReader, key: str, required: bool = True) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _gguf_value(reader: GGUFFile, key: str, required: bool = True) -> Any:
+    if key not in reader.metadata:
         if required:
             raise ModelLoadError(f"GGUF metadata has no {key!r}")
         return None
     try:
-        return field.contents()
+        return reader.value(key)
     except UnicodeDecodeError as e:
         raise ModelLoadError(f"GGUF metadata {key!r} is not valid UTF-8: {e}") from e
 
 
-def _gguf_token_id(reader: gguf.GGUFReader, key: str, num_tokens: int) -> int | None:
+def _gguf_token_id(reader: GGUFFile, key: str, num_tokens: int) -> int | None:
     token_id = _gguf_value(reader, key, required=False)
     if token_id is not None and not 0 <= token_id < num_tokens:
         raise ModelLoadError(f"{key}={token_id} is outside the vocabulary of {num_tokens} tokens")
