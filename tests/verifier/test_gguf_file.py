@@ -97,7 +97,8 @@ def test_bad_files_are_errors(tmp_path):
     _write(path)
     data = path.read_bytes()
     for bad, match in ((b"", "not a GGUF file"), (b"GGML" + data[4:], "magic"),
-                       (data[:300], "cut short|runs past"), (data[:-40], "runs past the end")):
+                       (data[:300], "cut short|runs past"),
+                       (data[:4] + (3).to_bytes(4, "big") + data[8:], "big-endian"), (data[:-40], "runs past the end")):
         path.write_bytes(bad)
         with pytest.raises(ValueError, match=match):
             GGUFFile(path)

@@ -79,6 +79,8 @@ class GGUFFile:
         self._buf, self._pos = buf, 4
         try:
             self.version = self._scalar("<I")
+            if self.version & 0xFFFF == 0:  # GGUFReader's test: a version written the other way round
+                raise ValueError("a big-endian GGUF file: only little-endian ones are read")
             if self.version not in (2, 3):
                 raise ValueError(f"GGUF version {self.version} is not supported (2 and 3 are)")
             tensor_count, kv_count = self._scalar("<Q"), self._scalar("<Q")
