@@ -12,10 +12,10 @@ import logging
 import pathlib
 from typing import Callable
 
-import numpy as np
 import torch
 
 from verifier.errors import ModelLoadError
+from verifier.models.dequant import dequantize
 from verifier.models.gguf_file import GGUFFile
 from verifier.models.config import ModelConfig, RopeScaling
 from verifier.models.llama import LayerWeights, LlamaModel
@@ -126,8 +126,6 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _load_gguf(path: pathlib.Path, dtype: torch.dtype, reader=None, layer_share: LayerShare | None = None) -> LlamaModel:
-    import gguf
-
     reader = reader if reader is not None else _open(path)
 
     def meta(key: str, default=None):
@@ -177,8 +175,7 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, reader=None, layer_share:
         t = tensors.get(name)
         if t is None:
             return None
-        data = gguf.quants.dequantize(t.data, t.tensor_type)  # float32, [rows, cols]
-        w = torch.from_numpy(np.array(data, dtype=np.float32))  # writable copy
+        w = dequantize(t.data, t.tensor_type)  # float32, [rows, cols], writable
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_heads if "attn_q" in name else config.num_kv_heads
             w = _unpermute_rope(w, heads)
