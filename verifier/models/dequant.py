@@ -75,7 +75,19 @@ def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     out.mul_(dl)
 
 
-_BLOCKS = {Q.Q4_1: _q4_1, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k}
+_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+def _q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    high = ((b[:, 2:6].reshape(n, 4, 1) >> _BITS) & 1).reshape(n, 32)  # a little-endian uint32's bits
+    q = _nibbles(b[:, 6:], 1, 16).reshape(n, 32) | (high << 4)
+    torch.sub(q.view(torch.int8), 16, out=out)  # 0..31: int8
+    out.mul_(d)
+
+
+_BLOCKS = {Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k}
 
 
 def dequantize(data: np.ndarray, kind: GGMLQuantizationType) -> torch.Tensor:
