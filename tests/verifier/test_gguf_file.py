@@ -88,7 +88,7 @@ def test_a_string_that_is_not_utf8_fails_when_asked_for(tmp_path):
     path.write_bytes(data[:at] + b"\xff" + data[at + 1:])
     f = GGUFFile(path)
     assert f.value("t.u8") == 200
-    with pytest.raises(UnicodeDecodeError):
+    with pytest.raises(ModelLoadError, match=r"t\.gguf: GGUF metadata 't\.str' is not valid UTF-8"):
         f.value("t.str")
 
 

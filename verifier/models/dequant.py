@@ -3,16 +3,16 @@
 `gguf.quants.dequantize` works through numpy 16 rows at a time on one thread (~0.6 s for
 the bundled model, ~12 s for Qwen2.5-Coder-1.5B's Q4_K/Q6_K here). These do the same
 arithmetic in torch, 64 KiB of blocks at a time (~0.3 s and ~6.5 s), writing into the
-output, element for element as gguf writes it (the
-integer unpacking is exact, and each float32 product or sum is one correctly rounded
-operation, as in numpy), so the weights are bit for bit the same; other types go to
-gguf's.
+output, element for element as gguf writes it (the integer unpacking is exact, and each
+float32 product or sum is one correctly rounded operation, as in numpy), so the weights
+are bit for bit the same; other types (float ones included) go to gguf's.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import gguf.quants
 import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
@@ -93,11 +93,7 @@ _BLOCKS = {Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q6_K: _
 def dequantize(data: np.ndarray, kind: GGMLQuantizationType) -> torch.Tensor:
     """A tensor as `gguf.GGUFReader` (or `GGUFFile`) gives it, as a writable float32
     torch tensor of the shape `gguf.quants.dequantize` returns."""
-    if kind == Q.F32:
-        return torch.from_numpy(np.array(data, dtype=np.float32))
-    if kind in (Q.F16, Q.BF16) or kind not in _BLOCKS:
-        import gguf
-
+    if kind not in _BLOCKS:  # a writable copy
         return torch.from_numpy(np.array(gguf.quants.dequantize(data, kind), dtype=np.float32))
     block_size, type_size = GGML_QUANT_SIZES[kind]
     with warnings.catch_warnings():  # the file's read-only mapping: only read here

@@ -1,12 +1,11 @@
 """A GGUF file's metadata and tensors, read fast.
 
 `gguf.GGUFReader` builds a numpy memmap view for every item of every metadata array:
-SmolLM2's 49,152 token texts, their types and 48,900 merges take it ~4 s a file on
-this CPU, and dequantizing its memmap tensors ~2 s more, which every process that
-loads the model (`splitspec generate`, each verifier replica) paid. `GGUFFile` reads
-the header with `struct` into Python values and gives each tensor as a plain numpy
-view of the mapped file, in the layout `GGUFReader` gives it (what
-`gguf.quants.dequantize` takes). Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+SmolLM2's 49,152 token texts, their types and 48,900 merges take it ~1.8 s a file on
+this CPU, which every process that loads the model (`splitspec generate`, each verifier
+replica) paid. `GGUFFile` reads the header with `struct` into Python values (~0.035 s)
+and gives each tensor as a plain numpy view of the mapped file, in the layout
+`GGUFReader` gives it (what `gguf.quants.dequantize` and `verifier.models.dequant` take). Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 (little-endian files, versions 2 and 3).
 """
 
@@ -21,6 +20,8 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
+
+from verifier.errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -62,8 +63,9 @@ class GGUFFile:
     int, float, bool or a list) and tensors (`tensors`, in the file's order). Raises
     ValueError for a file that is not GGUF, is cut short, or has two tensors of one name.
 
-    The file stays mapped while the tensors' views are alive; `value` raises the
-    UnicodeDecodeError of a string that is not UTF-8.
+    The file stays mapped while the tensors' views are alive; `value` raises a
+    ModelLoadError naming a string that is not UTF-8 (`open_gguf` opens one as the loader
+    and the tokenizer do, with a ModelLoadError for a file it cannot read).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -129,7 +131,8 @@ class GGUFFile:
         """The value of `key`, or `default` when the file has none."""
         value = self.metadata.get(key, default)
         if isinstance(value, InvalidMetadata):
-            raise value.error
+            raise ModelLoadError(f"{os.path.basename(self.path)}: GGUF metadata {key!r} is not valid UTF-8: "
+                                 f"{value.error}") from None
         return value
 
     # --- the header, read at self._pos ------------------------------------------------
@@ -184,6 +187,14 @@ class GGUFFile:
             return [b.decode("utf-8") for b in out]
         except UnicodeDecodeError as exc:
             return InvalidMetadata(exc)
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """`GGUFFile(path)`, a file it cannot read (missing, not GGUF, cut short) a ModelLoadError."""
+    try:
+        return GGUFFile(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read GGUF {os.fspath(path)!r}: {exc}") from None
 
 
 def _decoded(data: bytes) -> str | InvalidMetadata:

@@ -16,7 +16,7 @@ import torch
 
 from verifier.errors import ModelLoadError
 from verifier.models.dequant import dequantize
-from verifier.models.gguf_file import GGUFFile
+from verifier.models.gguf_file import open_gguf
 from verifier.models.config import ModelConfig, RopeScaling
 from verifier.models.llama import LayerWeights, LlamaModel
 from verifier.models.tokenizer import Tokenizer
@@ -108,15 +108,8 @@ def load_model_and_tokenizer(model: str | None, tokenizer: str | None, dtype: st
     path = pathlib.Path(model) if model is not None else bundled_model_path()
     reader = None
     if path.suffix == ".gguf" and path.is_file():
-        reader = _open(path)
+        reader = open_gguf(path)
     return load_model(model, dtype, gguf_reader=reader), load_tokenizer(model, tokenizer, reader, chat_template)
-
-
-def _open(path: pathlib.Path) -> GGUFFile:
-    try:
-        return GGUFFile(path)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read GGUF {str(path)!r}: {exc}") from None
 
 
 def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -126,13 +119,8 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _load_gguf(path: pathlib.Path, dtype: torch.dtype, reader=None, layer_share: LayerShare | None = None) -> LlamaModel:
-    reader = reader if reader is not None else _open(path)
-
-    def meta(key: str, default=None):
-        try:
-            return reader.value(key, default)
-        except UnicodeDecodeError as exc:
-            raise ModelLoadError(f"{path.name}: GGUF metadata {key!r} is not valid UTF-8: {exc}") from None
+    reader = reader if reader is not None else open_gguf(path)
+    meta = reader.value
 
     arch = meta("general.architecture")
     if arch not in ("llama", "qwen2"):

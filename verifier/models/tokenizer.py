@@ -32,7 +32,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from verifier.errors import InvalidRequestError, ModelLoadError
-from verifier.models.gguf_file import GGUFFile
+from verifier.models.gguf_file import GGUFFile, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Tokenizer:
         Control, unknown and user-defined tokens become added tokens, so `<|im_end|>` in
         the text is one token, never cut. EOS ids: see `_eos_token_ids`.
         """
-        reader = path_or_reader if isinstance(path_or_reader, GGUFFile) else _open_gguf(path_or_reader)
+        reader = path_or_reader if isinstance(path_or_reader, GGUFFile) else open_gguf(path_or_reader)
         keys = gguf.Keys.Tokenizer
         model = _gguf_value(reader, keys.MODEL)
         if model not in _SUPPORTED_MODELS:
@@ -388,22 +388,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
 
 
-def _open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
-    try:
-        return GGUFFile(path)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read GGUF {os.fspath(path)!r}: {e}") from e
-
-
 def _gguf_value(reader: GGUFFile, key: str, required: bool = True) -> Any:
     if key not in reader.metadata:
         if required:
             raise ModelLoadError(f"GGUF metadata has no {key!r}")
         return None
-    try:
-        return reader.value(key)
-    except UnicodeDecodeError as e:
-        raise ModelLoadError(f"GGUF metadata {key!r} is not valid UTF-8: {e}") from e
+    return reader.value(key)
 
 
 def _gguf_token_id(reader: GGUFFile, key: str, num_tokens: int) -> int | None:
