@@ -200,6 +200,11 @@ class VerifierConfig(_Strict):
     max_num_seqs: int = Field(8, ge=1, description="Sequences decoded together per replica (KV cache slots).")
     max_model_len: int = Field(2048, ge=16, description="Context length per sequence: prompt + output tokens.")
     max_waiting: int = Field(64, ge=0, description="Requests queued per replica before new ones get 429.")
+    max_num_batched_tokens: int | None = Field(
+        2048, ge=1, description="Tokens one verifier pass takes before drafts: one per decoding sequence, the rest "
+        "prompt tokens (vLLM's max_num_batched_tokens). A prompt that does not fit is prefilled in chunks over "
+        "several passes beside the running sequences' rounds, so a long prompt does not stall them. At least "
+        "max_num_seqs; null = no limit (every admitted prompt whole in one pass).")
     proposer_deadline_ms: float = Field(100.0, gt=0, description="Per-round deadline of proposer calls; late = no drafts.")
     tensor_parallel_size: int = Field(
         1, ge=1, description="Ranks one replica's target is split over (tensor parallelism: each holds a share of "
@@ -211,6 +216,13 @@ class VerifierConfig(_Strict):
     replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
     resources: ResourcesConfig = Field(ResourcesConfig(num_cpus=1.0), description="Per-replica resources.")
     autoscaling: AutoscalingConfig | None = Field(None, description="Serve autoscaling; overrides replicas.")
+
+    @model_validator(mode="after")
+    def _batched_tokens_fit(self) -> "VerifierConfig":
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({self.max_num_seqs}): a pass of decoding sequences would leave no token for a prompt")
+        return self
 
     @model_validator(mode="after")
     def _gpus_match_tp(self) -> "VerifierConfig":

@@ -114,6 +114,7 @@ def engine_from_config(config: SplitspecConfig, model: LlamaModel, tokenizer: To
     model = split_model(model, config.model.path, config.model.dtype, v.tensor_parallel_size, verifier_threads(v))
     engine = Engine(model, tokenizer, EngineConfig(
         max_num_seqs=v.max_num_seqs, max_model_len=v.max_model_len, max_waiting=v.max_waiting,
+        max_num_batched_tokens=v.max_num_batched_tokens,
     ), dict(proposers), Controller(config.controller.settings(), tuple(proposers)), observer,
         {p.method: p.fallback for p in config.proposers if p.fallback is not None and p.method in proposers})
     if engine.controller.needs_step_time:

@@ -1,7 +1,9 @@
 """The speculative decoding engine: continuous batching, prefill, then rounds.
 
 Each step (one verifier forward pass):
-  1. admit waiting requests into free KV slots (their prompt is prefilled in this pass);
+  1. admit waiting requests into free KV slots (their prompt is prefilled in this pass,
+     or, past `EngineConfig.max_num_batched_tokens`, over this pass and the next ones:
+     chunked prefill, beside the running sequences' rounds);
   2. ask the controller for (method, k) per running sequence and each method's proposer
      for drafts, all methods in parallel (deltas only, per the contract in
      `protos.proposal`); a failed or late proposer means k = 0 (fail open);
@@ -84,6 +86,11 @@ class EngineConfig:
     max_waiting: int = 64
     #: Upper bound on k whatever the controller asks (sizes per-position statistics).
     max_k: int = 16
+    #: Tokens one pass takes before drafts: one per decoding sequence, the rest prompt
+    #: tokens (vLLM's max_num_batched_tokens). A prompt that does not fit is prefilled in
+    #: chunks over several passes, beside the other sequences' rounds, so a long prompt
+    #: does not stall them. None: no limit (every admitted prompt whole in one pass).
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_k"):
@@ -91,6 +98,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            # Below that a pass of decoding sequences could leave no token for a prompt.
+            raise ValueError(f"EngineConfig.max_num_batched_tokens must be >= max_num_seqs ({self.max_num_seqs}), "
+                             f"got {self.max_num_batched_tokens}")
 
 
 @dataclasses.dataclass
@@ -164,6 +175,9 @@ class _Work:
     logprobs: list[TokenLogprob] | None = None
     #: A prefill's prompt tokens' (None for the first), when the request asked for them.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: A prefill chunk that ends before its prompt does: its KV (and hidden states) are
+    #: kept, nothing is sampled or emitted.
+    chunk: bool = False
 
     def __post_init__(self) -> None:
         self.span = tracing.start_round(self.seq.span, prefill=not self.seq.output_token_ids)
@@ -602,18 +616,30 @@ class Engine:
         if self.controller.needs_step_time and not self._running:
             # Once, before the first request takes a slot (the replica may also do it at start).
             await asyncio.get_running_loop().run_in_executor(self._worker, self.profile_step_time)
-        running = list(self._running)
+        # Decoding sequences first, one token each (drafts come on top); then the prompts
+        # of this pass, first the ones prefilled in part, then newly admitted ones, while
+        # the token budget lasts.
+        decoding = [s for s in self._running if s.output_token_ids]
+        limit = self.config.max_num_batched_tokens
+        budget = math.inf if limit is None else limit - len(decoding)
+        works = []
+        for seq in self._running:
+            if not seq.output_token_ids and budget > 0:
+                works.append(self._prefill_work(seq, budget))
+                budget -= len(works[-1].input_token_ids)
         admitted = []
-        while self._waiting and self.cache.num_free_slots:
+        while self._waiting and self.cache.num_free_slots and budget > 0:
             seq = self._waiting.pop(0)
             seq.slot = self.cache.allocate()
             admitted.append(seq)
+            works.append(self._prefill_work(seq, budget))
+            budget -= len(works[-1].input_token_ids)
         # Running from now on, so that a failing step reaches their clients too.
         self._running.extend(admitted)
-        works = [_Work(s, list(s.prompt_token_ids), np.zeros(0, np.int32), None) for s in admitted]
+        num_prefills = len(works)
         release_openmp_threads()  # should this thread have run torch in parallel (see `__init__`)
         start = time.perf_counter()
-        works += await self._plan_and_propose(running, sum(len(w.input_token_ids) for w in works), len(works))
+        works += await self._plan_and_propose(decoding, sum(len(w.input_token_ids) for w in works), num_prefills)
         self.stats.propose_s += time.perf_counter() - start
         seconds = await asyncio.get_running_loop().run_in_executor(self._worker, self._execute, works)
         self.stats.pass_s += seconds
@@ -623,7 +649,7 @@ class Engine:
         self.stats.num_steps += 1
         num_tokens = sum(len(w.input_token_ids) for w in works)
         # A pass without prompts tells the step-time model what its drafts cost.
-        num_drafts = None if admitted else num_tokens - len(works)
+        num_drafts = None if num_prefills else num_tokens - len(works)
         self.controller.observe_step(num_tokens, len(works), seconds, num_drafts)
         emitted_before = self.stats.num_output_tokens
         for work in works:
@@ -632,6 +658,14 @@ class Engine:
         cache = self.cache
         self.observer.on_load(len(self._running), len(self._waiting), cache.num_used_slots, cache.num_slots,
                               sum(cache.lens), cache.num_slots * cache.max_len)
+
+    @staticmethod
+    def _prefill_work(seq: Sequence, budget: float) -> _Work:
+        """The next chunk of `seq`'s prompt, at most `budget` tokens (all that is left of it
+        without a budget)."""
+        prompt = seq.prompt_token_ids
+        end = min(len(prompt), seq.num_prefilled + budget)
+        return _Work(seq, prompt[seq.num_prefilled : end], np.zeros(0, np.int32), None, chunk=end < len(prompt))
 
     async def _plan_and_propose(self, running: list[Sequence], num_prefill_tokens: int,
                                 num_prefill_seqs: int) -> list[_Work]:
@@ -965,7 +999,7 @@ class Engine:
         if any(w.seq.row_context is not None for w in works):
             decide = logits.clone()
             for w, row in zip(works, starts):
-                if w.seq.row_context is not None:
+                if w.seq.row_context is not None and not w.chunk:
                     process_rows(decide[row : row + w.draft_token_ids.size + 1], w.seq.params, w.seq.row_context,
                                  row_paths(w.draft_token_ids, w.draft_parents))
         argmax = decide.argmax(dim=-1).tolist()
@@ -974,10 +1008,10 @@ class Engine:
             k = w.draft_token_ids.size
             p = w.seq.params
             if self._wants_prompt_rows(w):  # row j - 1 scores prompt token j
-                prompt = w.input_token_ids
-                w.prompt_logprobs = [None, *token_logprobs(logits[row - len(prompt) + 1 : row], prompt[1:],
-                                                           p.prompt_logprobs)]
-            if w.draft_parents is not None:  # a token tree: the drafts of the accepted path
+                w.prompt_logprobs = self._chunk_prompt_logprobs(w, logits, row)
+            if w.chunk:  # the prompt goes on in a later pass: nothing to sample yet
+                accepted, emitted = [], []
+            elif w.draft_parents is not None:  # a token tree: the drafts of the accepted path
                 if p.greedy:
                     accepted, emitted = greedy_accept_tree(argmax[row : row + k + 1], w.draft_token_ids,
                                                            w.draft_parents)
@@ -994,7 +1028,7 @@ class Engine:
                     num_accepted, emitted = rejection_sample(probs, w.draft_token_ids, q, w.seq.generator)
                 accepted = list(range(num_accepted))
             w.num_accepted, w.emitted = len(accepted), [int(t) for t in emitted]
-            if p.logprobs is not None:  # each emitted token from the row that verified it
+            if p.logprobs is not None and emitted:  # each emitted token from the row that verified it
                 rows = [row] + [row + 1 + a for a in accepted]
                 w.logprobs = token_logprobs(logits[rows], w.emitted, p.logprobs)
             # Keep the KV of the inputs that were right: those before the drafts (the last
@@ -1013,6 +1047,20 @@ class Engine:
         return time.perf_counter() - start
 
     @staticmethod
+    def _chunk_prompt_logprobs(work: _Work, logits: torch.Tensor, row: int) -> list[TokenLogprob | None] | None:
+        """Worker thread: the logprobs of the prompt tokens `work`'s prefill rows score (the
+        row of position j scores token j + 1; `row` is the chunk's last), added to those of
+        the sequence's earlier chunks; the whole prompt's (None for its first token) once
+        the last chunk is in, else None."""
+        seq, n = work.seq, len(work.input_token_ids)
+        start = seq.num_prefilled
+        prompt = seq.prompt_token_ids
+        scored = prompt[start + 1 : start + n + 1]  # the last chunk's last row scores no prompt token
+        got = token_logprobs(logits[row - n + 1 : row - n + 1 + len(scored)], scored, seq.params.prompt_logprobs)
+        seq.prompt_logprobs = ([None] if start == 0 else seq.prompt_logprobs) + got
+        return None if work.chunk else seq.prompt_logprobs
+
+    @staticmethod
     def _wants_prompt_rows(work: _Work) -> bool:
         """A prefill whose request asks for its prompt's logprobs."""
         return not work.seq.output_token_ids and work.seq.params.prompt_logprobs is not None
@@ -1022,6 +1070,12 @@ class Engine:
         seq = work.seq
         k = work.draft_token_ids.size
         is_prefill = not seq.output_token_ids
+        if is_prefill:
+            seq.num_prefilled += len(work.input_token_ids)
+        if work.chunk:
+            if work.span is not None:
+                tracing.end_round(work.span, None, 0, 0, "prefill_chunk", 0)
+            return
         now = time.perf_counter()
         if is_prefill:
             seq.stats.prefill_s = now - seq.arrival_s

@@ -133,6 +133,11 @@ class Sequence:
     shadow_matched: int = 0
     #: What processing its logits reads, when the request asks for it (`verifier.logits_processors`).
     row_context: object = None
+    #: Prompt tokens in the KV slot so far: a prompt longer than a pass's token budget
+    #: (`EngineConfig.max_num_batched_tokens`) is prefilled in chunks over several passes.
+    num_prefilled: int = 0
+    #: The prompt logprobs of the chunks prefilled so far, when the request asked for them.
+    prompt_logprobs: list | None = None
 
     def add_hidden(self, rows: torch.Tensor) -> None:
         n = self.num_hidden + rows.shape[0]

@@ -74,3 +74,18 @@ def test_ngram_speculation_is_exact(k, batch, model, tokenizer, exactness_prompt
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:])), per_pos
     assert sum(per_pos) == s.num_accepted
     assert engine.cache.num_used_slots == 0 and proposer.num_sequences == 0
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [8, 64])
+def test_chunked_prefill_is_exact(max_num_batched_tokens, model, tokenizer, exactness_prompts, hf_greedy):
+    """Prompts of 36-132 tokens prefilled in chunks (of 5-8 tokens beside up to 3 decoding
+    sequences, or up to 64) while the other sequences speculate: HF `generate`'s tokens."""
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=512,
+                                                   max_num_batched_tokens=max_num_batched_tokens),
+                    NgramProposer(), Controller.static(4))
+    results = engine.generate_sync(exactness_prompts, GREEDY)
+    for i, (r, ref) in enumerate(zip(results, hf_greedy)):
+        assert r.token_ids == ref, f"prompt {i} budget {max_num_batched_tokens}: {r.token_ids} != HF {ref}"
+    assert engine.stats.num_accepted > 0 and engine.cache.num_used_slots == 0
+    # Chunked indeed: more passes than a whole prefill per prompt would need.
+    assert engine.stats.num_steps > len(exactness_prompts) + max(r.stats.rounds for r in results)
