@@ -1028,7 +1028,7 @@ class Engine:
                     num_accepted, emitted = rejection_sample(probs, w.draft_token_ids, q, w.seq.generator)
                 accepted = list(range(num_accepted))
             w.num_accepted, w.emitted = len(accepted), [int(t) for t in emitted]
-            if p.logprobs is not None and emitted:  # each emitted token from the row that verified it
+            if p.logprobs is not None and not w.chunk:  # each emitted token from the row that verified it
                 rows = [row] + [row + 1 + a for a in accepted]
                 w.logprobs = token_logprobs(logits[rows], w.emitted, p.logprobs)
             # Keep the KV of the inputs that were right: those before the drafts (the last

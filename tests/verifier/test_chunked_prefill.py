@@ -90,8 +90,11 @@ def test_prompt_logprobs_of_chunks_equal_hf(model, tokenizer, hf_model, prompts)
     two = prompts[:2]
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=512, max_num_batched_tokens=16),
                     None, Controller.off())
-    results = engine.generate_sync(two, SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2))
+    results = engine.generate_sync(two, SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2,
+                                                        logprobs=1))
     for prompt, r in zip(two, results):
+        # The output's own logprobs come from its rows only, the chunks' giving none.
+        assert [lp.token_id for lp in r.logprobs] == r.token_ids and len(r.token_ids) == 4
         assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
         with torch.inference_mode():
             ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
