@@ -13,8 +13,10 @@ vLLM's `--enable-auto-tool-choice --tool-call-parser`:
 - `"auto"` (OpenAI's default when tools are given): free text, read by the parser the
   config names (`model.tool_call_parser`; none set: a 400). `"hermes"` (`HermesReader`):
   each `<tool_call>{"name": N, "arguments": {...}}</tool_call>` block naming one of the
-  tools is a call, the rest of the text is the content. The bundled SmolLM2's template
-  knows no tools, so it writes such blocks only when the conversation shows it how (or a
+  tools is a call, the rest of the text is the content; `"llama3_json"`
+  (`Llama3JsonReader`): an output that is all `{"name": N, "parameters": {...}}` objects
+  separated by `;` is those calls, any other is content. The bundled SmolLM2's template
+  knows no tools, so it writes such calls only when the conversation shows it how (or a
   `model.chat_template` that renders the tools does).
 
 The output is decoded like any other (exact under speculation); this module builds the
@@ -217,12 +219,95 @@ class HermesReader:
             value = json.loads(block)
         except ValueError:
             return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in self.names:
-            return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        if not isinstance(arguments, dict):
-            return None
-        return value["name"], json.dumps(arguments, ensure_ascii=False)
+        return _named_call(value, self.names)
+
+
+def _named_call(value: Any, names: frozenset[str]) -> tuple[str, str] | None:
+    """`value` as a call (name, arguments as JSON text): an object whose `name` is one of
+    `names` and whose `arguments` (or `parameters`) is an object, or absent; else None."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+#: What Llama 3.1+ writes before a call in its JSON format (a special token: gone from the
+#: text when special tokens are skipped, as they are by default).
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonReader:
+    """Reads Llama 3's JSON tool calls (`tool_choice: "auto"`, vLLM's `llama3_json`): an
+    output that is, whole, one or more `{"name": N, "parameters": {...}}` objects
+    (`arguments` read too) separated by `;`, after an optional `<|python_tag|>`, each
+    naming one of `names`, is those calls, with no content; any other output is content,
+    as written, calls-like text and all (nothing is dropped). `parallel` False: the first
+    call only.
+
+    The calls can be known only at the end, so `feed` holds the text back for as long as
+    it may still be calls (from a first `{` or `<|python_tag|>` on, after any whitespace)
+    and streams any other output as content as it comes.
+
+    >>> r = Llama3JsonReader(["add"])
+    >>> r.feed('{"name": "add", "parameters": {"a": 1}}'), r.feed('; {"name": "add"}', final=True)
+    (('', []), ('', [('add', '{"a": 1}'), ('add', '{}')]))
+    >>> Llama3JsonReader(["add"]).feed('{"name": "add"} and more', final=True)
+    ('{"name": "add"} and more', [])
+    """
+
+    def __init__(self, names, parallel: bool = True) -> None:
+        self.names = frozenset(names)
+        self.parallel = parallel
+        self.count = 0  # calls returned
+        self._buf = ""  # text held back while it may be calls
+        self._content = False  # the output is content: stream it
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[tuple[str, str]]]:
+        if self._content:
+            return text, []
+        self._buf += text
+        head = self._buf.lstrip()
+        if head and not (head.startswith("{") or head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head)):
+            self._content = True
+        elif final:
+            calls = self._calls(head[len(PYTHON_TAG):] if head.startswith(PYTHON_TAG) else head)
+            if calls:
+                self._buf = ""
+                calls = calls if self.parallel else calls[:1]
+                self.count += len(calls)
+                return "", calls
+            self._content = True
+        else:
+            return "", []
+        out, self._buf = self._buf, ""
+        return out, []
+
+    def _calls(self, text: str) -> list[tuple[str, str]] | None:
+        decoder = json.JSONDecoder()
+        calls, i = [], 0
+        while True:
+            try:
+                value, i = decoder.raw_decode(text, i)
+            except ValueError:
+                return None
+            call = _named_call(value, self.names)
+            if call is None:
+                return None
+            calls.append(call)
+            rest = text[i:].lstrip()
+            if not rest:
+                return calls
+            if not rest.startswith(";"):
+                return None
+            i = len(text) - len(rest) + 1
+            while i < len(text) and text[i] in " \t\r\n":
+                i += 1
+
+
+#: `model.tool_call_parser` -> its reader.
+PARSERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +321,8 @@ class Calls:
     names: tuple[str, ...] = ()
     parallel: bool = True
 
-    def reader(self) -> HermesReader:
-        return HermesReader(self.names, self.parallel)
+    def reader(self) -> HermesReader | Llama3JsonReader:
+        return PARSERS[self.parser](self.names, self.parallel)
 
 
 def _call_dicts(found: list[tuple[str, str]], first: int | None = None) -> list[dict[str, Any]]:

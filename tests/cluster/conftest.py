@@ -171,8 +171,10 @@ def model_proposers_app(serve_cluster) -> ServedApp:
     """The trained draft model and EAGLE head (proposers/assets/; the eagle default, the
     EAGLE-3 head), each its own deployment talking gRPC to the verifier, which sends the
     EAGLE one the target's hidden states (entering layers 2, 15 and 27); and n-gram lookup
-    placed in the verifier replica, called in-process."""
+    placed in the verifier replica, called in-process; Llama 3 JSON tool calls for
+    tool_choice auto."""
     return _deploy(serve_cluster, "models", "/models", {
+        "model": {"tool_call_parser": "llama3_json"},
         "proposers": [{"method": "draft", "num_threads": 2, "resources": {"num_cpus": 0.25}},
                       {"method": "ngram", "placement": "verifier"},
                       {"method": "eagle", "resources": {"num_cpus": 0.25}}],

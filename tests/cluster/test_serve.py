@@ -803,6 +803,71 @@ def test_tool_choice_auto_reads_hermes_calls_out_of_free_text(main_app, model, t
         assert not any(m.HasField("content") or m.tool_calls for m in messages[:-1])
 
 
+LLAMA3_SYSTEM = ('You can call functions. To call one, reply with only {"name": NAME, "parameters": {...}}. '
+                 'Functions: get_weather(location, unit), add(a, b).')
+LLAMA3_SHOTS = [
+    {"role": "system", "content": LLAMA3_SYSTEM},
+    {"role": "user", "content": "What is the weather in Berlin, in celsius?"},
+    {"role": "assistant", "content": '{"name": "get_weather", "parameters": {"location": "Berlin", "unit": "celsius"}}'},
+    {"role": "user", "content": "What is 2 plus 3?"},
+    {"role": "assistant", "content": '{"name": "add", "parameters": {"a": 2, "b": 3}}'},
+]
+
+
+def _llama3_by_hand(text: str, names) -> tuple[str | None, list[tuple[str, dict]]]:
+    """The content and calls of a text that holds at most one call: the whole text is a
+    call when it parses as a JSON object naming one of `names` with object parameters."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        call = None
+    if isinstance(call, dict) and call.get("name") in names and isinstance(call.get("parameters"), dict):
+        return None, [(call["name"], call["parameters"])]
+    return text, []
+
+
+def test_tool_choice_auto_reads_llama3_json_calls(model_proposers_app, model, tokenizer):
+    """model_proposers_app's config has model.tool_call_parser: llama3_json: an output
+    that is a JSON call of one of the tools is that call (no content, finish_reason
+    tool_calls), any other output is text, JSON naming no tool included. The expectation:
+    plain decoding's text, read back here by json.loads. Whole (the model proposers
+    drafting) and streamed."""
+    from verifier.controller import Controller
+    from verifier.engine import Engine, EngineConfig
+    from verifier.sampling_params import SamplingParams
+
+    questions = ["What is 7 plus 5?", "Hi! How are you?", "Write a haiku about the sea."]
+    conversations = [[*LLAMA3_SHOTS, {"role": "user", "content": q}] for q in questions]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in conversations]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=3, max_model_len=1024), None, Controller.off())
+    plain = engine.generate_sync(prompts, SamplingParams(max_tokens=60, temperature=0.0))
+    names = [t["function"]["name"] for t in TOOLS]
+    texts = [_text(tokenizer, out.token_ids) for out in plain]
+    want = [_llama3_by_hand(t, names) for t in texts]
+    # A call, JSON that is no call, and plain text.
+    assert [bool(calls) for _, calls in want] == [True, False, False], want
+    assert [t.lstrip().startswith("{") for t in texts] == [True, True, False], texts
+    client = _client(model_proposers_app)
+    extra = {"speculation": {"mode": "on"}, "return_token_ids": True}
+    for conversation, out, (content, calls) in zip(conversations, plain, want):
+        r = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
+                                           temperature=0, extra_body=extra)
+        c = r.choices[0]
+        assert c.model_extra["token_ids"] == out.token_ids
+        assert c.message.content == content
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or []] == calls
+        assert c.finish_reason == ("tool_calls" if calls else "stop")
+        streamed, got_calls, finish = "", [], None
+        for chunk in client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
+                                                    temperature=0, stream=True, extra_body=extra):
+            delta = chunk.choices[0].delta
+            streamed += delta.content or ""
+            got_calls += [(d.index, d.function.name, json.loads(d.function.arguments)) for d in delta.tool_calls or []]
+            finish = chunk.choices[0].finish_reason or finish
+        assert streamed == (content or "") and got_calls == [(i, *call) for i, call in enumerate(calls)]
+        assert finish == c.finish_reason
+
+
 def greedy_ids(app, conversation) -> list[int]:
     r = _client(app).chat.completions.create(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0,
                                              extra_body={"return_token_ids": True})

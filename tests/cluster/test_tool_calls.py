@@ -1,5 +1,5 @@
 """`cluster/tool_calls.py`: the schema of `tool_choice: "required"`, reading calls back
-out of a growing output, and `"auto"`'s Hermes parser (expectations written by hand). The calls served over HTTP
+out of a growing output, and `"auto"`'s Hermes and Llama 3 JSON parsers (expectations written by hand). The calls served over HTTP
 are tested in tests/cluster/test_serve.py."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cluster.tool_calls import (NO_PARAMETERS, CallDeltas, CallReader, Calls, HermesReader, call_finish_reason,
-                                read_output, required_schema, tool_choice_output)
+from cluster.tool_calls import (NO_PARAMETERS, CallDeltas, CallReader, Calls, HermesReader, Llama3JsonReader,
+                                call_finish_reason, read_output, required_schema, tool_choice_output)
 from verifier.errors import InvalidRequestError
 
 ADD = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Int"}, "b": {"$ref": "#/$defs/Int"}},
@@ -151,3 +151,68 @@ def test_auto_output_and_finish_reason():
     content, made = deltas('all>{"name": "add"}</tool_call>', True)
     assert content is None and [(d["index"], d["function"]) for d in made] == [(0, {"name": "add", "arguments": "{}"})]
     assert deltas.count == 1
+
+
+WEATHER_JSON = '{"name": "get_weather", "parameters": {"location": "Lyon", "unit": "celsius"}}'
+ADD_JSON = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+
+#: (text, its content, its calls): Llama 3 JSON outputs read by hand.
+LLAMA3 = [
+    (WEATHER_JSON, "", [("get_weather", WEATHER_ARGS)]),
+    # Around the calls: whitespace, and the python tag; between them ";".
+    (f"\n <|python_tag|>{WEATHER_JSON}; {ADD_JSON}\n", "", [("get_weather", WEATHER_ARGS), ("add", ADD_ARGS)]),
+    (f"{ADD_JSON};\n{ADD_JSON}", "", [("add", ADD_ARGS), ("add", ADD_ARGS)]),
+    ('{"name": "add"}', "", [("add", "{}")]),
+    ('{"name": "add", "parameters": {"s": "é}"}}', "", [("add", '{"s": "é}"}')]),
+    # Not calls: the whole text as written (text around them, a function not offered,
+    # arguments not an object, bad JSON, no separator, a trailing ";", cut short, a list,
+    # plain text, text that starts like the python tag but is not).
+    (f"Here: {WEATHER_JSON}", f"Here: {WEATHER_JSON}", []),
+    (f"{WEATHER_JSON}\nDone.", f"{WEATHER_JSON}\nDone.", []),
+    (f"{ADD_JSON}; {{\"name\": \"sub\"}}", f"{ADD_JSON}; {{\"name\": \"sub\"}}", []),
+    ('{"name": "add", "parameters": [1, 2]}', '{"name": "add", "parameters": [1, 2]}', []),
+    ('{"name": "add", "parameters": {"a": 1,}}', '{"name": "add", "parameters": {"a": 1,}}', []),
+    (f"{ADD_JSON} {ADD_JSON}", f"{ADD_JSON} {ADD_JSON}", []),
+    (f"{ADD_JSON};", f"{ADD_JSON};", []),
+    ('{"name": "add", "argu', '{"name": "add", "argu', []),
+    (f"[{ADD_JSON}]", f"[{ADD_JSON}]", []),
+    ("  Hello,\n\n  world.\n", "  Hello,\n\n  world.\n", []),
+    ("<|pyth", "<|pyth", []),
+    ("<b>bold</b>", "<b>bold</b>", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), LLAMA3)
+def test_llama3_json_output_is_calls_or_content(text, content, calls):
+    assert Llama3JsonReader(NAMES).feed(text, final=True) == (content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), LLAMA3)
+def test_llama3_json_streamed_holds_back_only_what_may_be_calls(text, content, calls):
+    may_be_calls = text.lstrip()[:1] in ("{", "<") and "<b>" not in text
+    for size in (1, 2, 5):
+        reader = Llama3JsonReader(NAMES)
+        got = ""
+        for i in range(0, len(text), size):
+            piece, found = reader.feed(text[i:i + size])
+            assert found == []  # the calls are known only at the end
+            got += piece
+        piece, found = reader.feed("", final=True)
+        assert (got + piece, found) == (content, calls)
+        if not may_be_calls:  # content streams as it comes, after any leading whitespace
+            assert len(got) >= len(text) - size - (len(text) - len(text.lstrip()))
+        else:
+            assert got == ""
+
+
+def test_llama3_json_without_parallel_calls_gives_the_first_call():
+    assert Llama3JsonReader(NAMES, parallel=False).feed(f"{WEATHER_JSON}; {ADD_JSON}", final=True) == (
+        "", [("get_weather", WEATHER_ARGS)])
+    auto = Calls(None, "llama3_json", NAMES)
+    content, calls = read_output(auto, ADD_JSON)
+    assert content is None and [c["function"] for c in calls] == [{"name": "add", "arguments": ADD_ARGS}]
+    assert read_output(auto, "Hi.") == ("Hi.", [])
+    deltas = CallDeltas(auto)
+    assert deltas(ADD_JSON[:10], False) == (None, [])
+    content, made = deltas(ADD_JSON[10:], True)
+    assert content is None and [(d["index"], d["function"]) for d in made] == [(0, {"name": "add", "arguments": ADD_ARGS})]
