@@ -739,6 +739,33 @@ def _hermes_by_hand(text: str, names) -> tuple[str | None, list[tuple[str, dict]
     return text, []
 
 
+def _auto_calls_are(client, conversations, plain, want):
+    """Each conversation served with the tools and tool_choice "auto" (speculation on),
+    whole and streamed: plain decoding's tokens `plain`, and `want`'s (content, calls)
+    with finish_reason tool_calls where there are calls. Returns the last whole response."""
+    extra = {"speculation": {"mode": "on"}, "return_token_ids": True}
+    for conversation, out, (content, calls) in zip(conversations, plain, want):
+        r = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
+                                           temperature=0, extra_body=extra)
+        c = r.choices[0]
+        assert c.model_extra["token_ids"] == out.token_ids
+        assert c.message.content == content
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or []] == calls
+        assert c.message.tool_calls is None if not calls else all(
+            t.id.startswith("chatcmpl-tool-") and t.type == "function" for t in c.message.tool_calls)
+        assert c.finish_reason == ("tool_calls" if calls else "stop")
+        streamed, got_calls, finish = "", [], None
+        for chunk in client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
+                                                    temperature=0, tool_choice="auto", stream=True, extra_body=extra):
+            delta = chunk.choices[0].delta
+            streamed += delta.content or ""
+            got_calls += [(d.index, d.function.name, json.loads(d.function.arguments)) for d in delta.tool_calls or []]
+            finish = chunk.choices[0].finish_reason or finish
+        assert streamed == (content or "") and got_calls == [(i, *call) for i, call in enumerate(calls)]
+        assert finish == c.finish_reason
+    return r
+
+
 def test_tool_choice_auto_reads_hermes_calls_out_of_free_text(main_app, model, tokenizer):
     """main_app's config has model.tool_call_parser: hermes, so "auto" (the default with
     tools) is free text: the output is plain decoding's, and a <tool_call> block naming
@@ -762,26 +789,7 @@ def test_tool_choice_auto_reads_hermes_calls_out_of_free_text(main_app, model, t
     assert ["<tool_call>" in _text(tokenizer, out.token_ids) for out in plain] == [True, True, True, False]
     assert all(out.finish_reason.value == "stop" for out in plain)
     client = _client(main_app)
-    extra = {"speculation": {"mode": "on"}, "return_token_ids": True}
-    for conversation, out, (content, calls) in zip(conversations, plain, want):
-        r = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
-                                           temperature=0, extra_body=extra)
-        c = r.choices[0]
-        assert c.model_extra["token_ids"] == out.token_ids
-        assert c.message.content == content
-        assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or []] == calls
-        assert c.message.tool_calls is None if not calls else all(
-            t.id.startswith("chatcmpl-tool-") and t.type == "function" for t in c.message.tool_calls)
-        assert c.finish_reason == ("tool_calls" if calls else "stop")
-        streamed, got_calls, finish = "", [], None
-        for chunk in client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
-                                                    temperature=0, tool_choice="auto", stream=True, extra_body=extra):
-            delta = chunk.choices[0].delta
-            streamed += delta.content or ""
-            got_calls += [(d.index, d.function.name, json.loads(d.function.arguments)) for d in delta.tool_calls or []]
-            finish = chunk.choices[0].finish_reason or finish
-        assert streamed == content and got_calls == [(i, *call) for i, call in enumerate(calls)]
-        assert finish == c.finish_reason
+    r = _auto_calls_are(client, conversations, plain, want)
     assert r.model_extra["speculation"]["drafted"] > 0
     # parallel_tool_calls false keeps the one call; over gRPC the last message carries the
     # calls and the content.
@@ -847,25 +855,7 @@ def test_tool_choice_auto_reads_llama3_json_calls(model_proposers_app, model, to
     # A call, JSON that is no call, and plain text.
     assert [bool(calls) for _, calls in want] == [True, False, False], want
     assert [t.lstrip().startswith("{") for t in texts] == [True, True, False], texts
-    client = _client(model_proposers_app)
-    extra = {"speculation": {"mode": "on"}, "return_token_ids": True}
-    for conversation, out, (content, calls) in zip(conversations, plain, want):
-        r = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
-                                           temperature=0, extra_body=extra)
-        c = r.choices[0]
-        assert c.model_extra["token_ids"] == out.token_ids
-        assert c.message.content == content
-        assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or []] == calls
-        assert c.finish_reason == ("tool_calls" if calls else "stop")
-        streamed, got_calls, finish = "", [], None
-        for chunk in client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
-                                                    temperature=0, stream=True, extra_body=extra):
-            delta = chunk.choices[0].delta
-            streamed += delta.content or ""
-            got_calls += [(d.index, d.function.name, json.loads(d.function.arguments)) for d in delta.tool_calls or []]
-            finish = chunk.choices[0].finish_reason or finish
-        assert streamed == (content or "") and got_calls == [(i, *call) for i, call in enumerate(calls)]
-        assert finish == c.finish_reason
+    _auto_calls_are(_client(model_proposers_app), conversations, plain, want)
 
 
 def greedy_ids(app, conversation) -> list[int]:

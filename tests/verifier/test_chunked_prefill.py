@@ -20,6 +20,7 @@ from verifier.engine import Engine, EngineConfig
 from verifier.models.vocab import VocabFingerprint
 from verifier.observer import EngineObserver
 from verifier.sampling_params import SamplingParams
+from tests.verifier.test_logprobs import assert_prompt_logprobs_are_hf
 
 
 class PassLog(EngineObserver):
@@ -95,13 +96,7 @@ def test_prompt_logprobs_of_chunks_equal_hf(model, tokenizer, hf_model, prompts)
     for prompt, r in zip(two, results):
         # The output's own logprobs come from its rows only, the chunks' giving none.
         assert [lp.token_id for lp in r.logprobs] == r.token_ids and len(r.token_ids) == 4
-        assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
-        with torch.inference_mode():
-            ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
-        for j, lp in enumerate(r.prompt_logprobs[1:]):
-            assert lp.token_id == prompt[j + 1]
-            assert lp.logprob == pytest.approx(float(ref[j, prompt[j + 1]]), abs=1e-4), j
-            assert [v for _, v in lp.top] == pytest.approx(torch.topk(ref[j], 2).values.tolist(), abs=1e-4)
+        assert_prompt_logprobs_are_hf(hf_model, prompt, r.prompt_logprobs)
 
 
 def test_seeded_sampling_draws_the_same_tokens_chunked(model, tokenizer, prompts):

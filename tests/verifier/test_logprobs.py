@@ -172,12 +172,18 @@ def test_prompt_logprobs_equal_hf_in_passes_beside_other_sequences(model, tokeni
         if p.prompt_logprobs is None:
             assert r.prompt_logprobs is None
             continue
-        assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
-        with torch.inference_mode():
-            ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
-        for j, lp in enumerate(r.prompt_logprobs[1:]):
-            assert lp.token_id == prompt[j + 1]
-            assert lp.logprob == pytest.approx(float(ref[j, prompt[j + 1]]), abs=1e-4), j
-            row = ref[j]
-            assert int((row > lp.logprob + 1e-3).sum()) < lp.rank <= int((row >= lp.logprob - 1e-3).sum()), j
-            assert [v for _, v in lp.top] == pytest.approx(torch.topk(ref[j], 2).values.tolist(), abs=1e-4)
+        assert_prompt_logprobs_are_hf(hf_model, prompt, r.prompt_logprobs)
+
+
+def assert_prompt_logprobs_are_hf(hf_model, prompt, prompt_logprobs, num_top: int = 2) -> None:
+    """One entry per prompt token, None first, each token's logprob, rank and top
+    `num_top` as HF's log_softmax of the whole prompt gives them."""
+    assert len(prompt_logprobs) == len(prompt) and prompt_logprobs[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    for j, lp in enumerate(prompt_logprobs[1:]):
+        assert lp.token_id == prompt[j + 1]
+        assert lp.logprob == pytest.approx(float(ref[j, prompt[j + 1]]), abs=1e-4), j
+        row = ref[j]
+        assert int((row > lp.logprob + 1e-3).sum()) < lp.rank <= int((row >= lp.logprob - 1e-3).sum()), j
+        assert [v for _, v in lp.top] == pytest.approx(torch.topk(ref[j], num_top).values.tolist(), abs=1e-4)
