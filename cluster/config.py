@@ -79,12 +79,13 @@ class TargetConfig(_Strict):
     chat_template: str | None = Field(
         None, description="A Jinja chat template used instead of the model's own (vLLM's --chat-template), or the "
         "path of a file holding one, read when the config is loaded; null = the model's.")
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "pythonic"] | None = Field(
         None, description="Reads tool calls out of free text, so the chat API's tool_choice 'auto' (its default when "
         "tools are given) works (vLLM's --enable-auto-tool-choice --tool-call-parser): 'hermes' reads "
         "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> blocks, as Hermes 2 Pro and Qwen2.5 write "
         "them; 'llama3_json' an output that is all {\"name\": ..., \"parameters\": {...}} objects separated by ';', "
-        "as Llama 3.1+ writes them; null = none, and 'auto' is a 400.")
+        "as Llama 3.1+ writes them; 'pythonic' an output that is a Python list of calls [name(arg=value, ...)], as "
+        "Llama 3.2 and 4 write them; null = none, and 'auto' is a 400.")
 
     @field_validator("path", "tokenizer")
     @classmethod

@@ -15,9 +15,10 @@ vLLM's `--enable-auto-tool-choice --tool-call-parser`:
   each `<tool_call>{"name": N, "arguments": {...}}</tool_call>` block naming one of the
   tools is a call, the rest of the text is the content; `"llama3_json"`
   (`Llama3JsonReader`): an output that is all `{"name": N, "parameters": {...}}` objects
-  separated by `;` is those calls, any other is content. The bundled SmolLM2's template
-  knows no tools, so it writes such calls only when the conversation shows it how (or a
-  `model.chat_template` that renders the tools does).
+  separated by `;` is those calls, any other is content; `"pythonic"` (`PythonicReader`)
+  likewise for an output that is a Python list of calls `[N(ARG=VALUE, ...), ...]`. The
+  bundled SmolLM2's template knows no tools, so it writes such calls only when the
+  conversation shows it how (or a `model.chat_template` that renders the tools does).
 
 The output is decoded like any other (exact under speculation); this module builds the
 schemas and reads the calls back out of the text.
@@ -25,9 +26,11 @@ schemas and reads the calls back out of the text.
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import json
+import math
 import uuid
 from typing import Any
 
@@ -92,6 +95,13 @@ def tool_choice_output(functions: list[dict[str, Any]], choice: str | dict[str, 
     return StructuredOutput(json=json.dumps(_parameters(function)), param="tools")
 
 
+def _skip_space(text: str, i: int) -> int:
+    """The first index from i on in `text` that is not JSON whitespace (or its end)."""
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
 class CallReader:
     """Reads the calls of a `"required"` output as its text grows: `feed` returns the
     calls completed by the new text, each once, as `(name, arguments)` with the arguments
@@ -124,9 +134,7 @@ class CallReader:
             calls.append((call["name"], json.dumps(call["parameters"], ensure_ascii=False)))
 
     def _skip(self, i: int) -> int:
-        while i < len(self._text) and self._text[i] in " \t\r\n":
-            i += 1
-        return i
+        return _skip_space(self._text, i)
 
 
 #: Hermes's call markers (NousResearch's Hermes 2 Pro format, which Qwen2.5 and many
@@ -236,43 +244,44 @@ def _named_call(value: Any, names: frozenset[str]) -> tuple[str, str] | None:
 #: What Llama 3.1+ writes before a call in its JSON format (a special token: gone from the
 #: text when special tokens are skipped, as they are by default).
 PYTHON_TAG = "<|python_tag|>"
+#: What Llama 4 writes around its pythonic calls (special tokens too).
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
 
-class Llama3JsonReader:
-    """Reads Llama 3's JSON tool calls (`tool_choice: "auto"`, vLLM's `llama3_json`): an
-    output that is, whole, one or more `{"name": N, "parameters": {...}}` objects
-    (`arguments` read too) separated by `;`, after an optional `<|python_tag|>`, each
-    naming one of `names`, is those calls, with no content; any other output is content,
-    as written, calls-like text and all (nothing is dropped). `parallel` False: the first
-    call only.
+class WholeOutputReader:
+    """A parser for which an output is calls only when it is, whole, calls: `OPENER`, the
+    first character of the calls, after any whitespace and an optional `TAG`. Any other
+    output is content, as written, calls-like text and all (nothing is dropped).
+    `parallel` False: the first call only. `_calls` reads the text after the tag.
 
     The calls can be known only at the end, so `feed` holds the text back for as long as
-    it may still be calls (from a first `{` or `<|python_tag|>` on, after any whitespace)
-    and streams any other output as content as it comes.
+    it may still be calls (from a first `OPENER` or `TAG` on, after any whitespace) and
+    streams any other output as content as it comes."""
 
-    >>> r = Llama3JsonReader(["add"])
-    >>> r.feed('{"name": "add", "parameters": {"a": 1}}'), r.feed('; {"name": "add"}', final=True)
-    (('', []), ('', [('add', '{"a": 1}'), ('add', '{}')]))
-    >>> Llama3JsonReader(["add"]).feed('{"name": "add"} and more', final=True)
-    ('{"name": "add"} and more', [])
-    """
+    OPENER = ""
+    TAG = ""
 
     def __init__(self, names, parallel: bool = True) -> None:
         self.names = frozenset(names)
         self.parallel = parallel
         self.count = 0  # calls returned
         self._buf = ""  # text held back while it may be calls
+        self._start: int | None = None  # where in it the whitespace before the text ends
         self._content = False  # the output is content: stream it
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[tuple[str, str]]]:
         if self._content:
             return text, []
         self._buf += text
-        head = self._buf.lstrip()
-        if head and not (head.startswith("{") or head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head)):
+        if self._start is None and self._buf.strip(" \t\r\n"):
+            self._start = len(self._buf) - len(self._buf.lstrip(" \t\r\n"))
+        s = self._start
+        if s is not None and not (self._buf.startswith(self.OPENER, s)
+                                  or self.TAG.startswith(self._buf[s : s + len(self.TAG)])):
             self._content = True
         elif final:
-            calls = self._calls(head[len(PYTHON_TAG):] if head.startswith(PYTHON_TAG) else head)
+            body = "" if s is None else self._buf[s + len(self.TAG) if self._buf.startswith(self.TAG, s) else s:]
+            calls = self._calls(body)
             if calls:
                 self._buf = ""
                 calls = calls if self.parallel else calls[:1]
@@ -285,8 +294,29 @@ class Llama3JsonReader:
         return out, []
 
     def _calls(self, text: str) -> list[tuple[str, str]] | None:
+        raise NotImplementedError
+
+
+class Llama3JsonReader(WholeOutputReader):
+    """Llama 3's JSON tool calls (`tool_choice: "auto"`, vLLM's `llama3_json`): an output
+    that is, whole, one or more `{"name": N, "parameters": {...}}` objects (`arguments`
+    read too) separated by `;`, after an optional `<|python_tag|>` (whitespace before and
+    after it), each naming one of `names`, is those calls, with no content; any other
+    output is content, as written (`WholeOutputReader`).
+
+    >>> r = Llama3JsonReader(["add"])
+    >>> r.feed('{"name": "add", "parameters": {"a": 1}}'), r.feed('; {"name": "add"}', final=True)
+    (('', []), ('', [('add', '{"a": 1}'), ('add', '{}')]))
+    >>> Llama3JsonReader(["add"]).feed('{"name": "add"} and more', final=True)
+    ('{"name": "add"} and more', [])
+    """
+
+    OPENER = "{"
+    TAG = PYTHON_TAG
+
+    def _calls(self, text: str) -> list[tuple[str, str]] | None:
         decoder = json.JSONDecoder()
-        calls, i = [], 0
+        calls, i = [], _skip_space(text, 0)  # whitespace after the tag
         while True:
             try:
                 value, i = decoder.raw_decode(text, i)
@@ -296,18 +326,83 @@ class Llama3JsonReader:
             if call is None:
                 return None
             calls.append(call)
-            rest = text[i:].lstrip()
-            if not rest:
+            i = _skip_space(text, i)
+            if i == len(text):
                 return calls
-            if not rest.startswith(";"):
+            if text[i] != ";":
                 return None
-            i = len(text) - len(rest) + 1
-            while i < len(text) and text[i] in " \t\r\n":
-                i += 1
+            i = _skip_space(text, i + 1)
+
+
+class PythonicReader(WholeOutputReader):
+    """Pythonic tool calls (`tool_choice: "auto"`, vLLM's `pythonic`, as Llama 3.2 and 4
+    write them): an output that is, whole, a Python list of one or more calls
+    `[N(ARG=VALUE, ...), ...]`, each naming one of `names` with keyword arguments only,
+    each given once, whose values are literals JSON can hold (strings, numbers, True,
+    False, None, and lists and dicts of them with string keys), is those calls, the
+    arguments as a JSON object; Llama 4's `<|python_start|>` ... `<|python_end|>` around
+    it is allowed. Any other output is content, as written (`WholeOutputReader`): a list
+    that is not all calls, a positional argument, an expression for a value. The text is
+    parsed by `ast`, never evaluated.
+
+    >>> PythonicReader(["add"]).feed('[add(a=1, b=-2.5), add()]', final=True)
+    ('', [('add', '{"a": 1, "b": -2.5}'), ('add', '{}')])
+    >>> PythonicReader(["add"]).feed('[add(1, 2)]', final=True)
+    ('[add(1, 2)]', [])
+    """
+
+    OPENER = "["
+    TAG = PYTHON_START
+
+    def _calls(self, text: str) -> list[tuple[str, str]] | None:
+        text = text.rstrip(" \t\r\n")
+        if text.endswith(PYTHON_END):
+            text = text[: -len(PYTHON_END)]
+        try:
+            tree = ast.parse(text.strip(" \t\r\n"), mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.names
+                    and not node.args):
+                return None
+            arguments: dict[str, Any] = {}
+            for keyword in node.keywords:
+                if keyword.arg is None or keyword.arg in arguments:  # **spread, or a repeated name
+                    return None
+                try:
+                    arguments[keyword.arg] = _json_literal(keyword.value)
+                except ValueError:
+                    return None
+            calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        return calls
+
+
+def _json_literal(node: ast.expr) -> Any:
+    """The value of a literal JSON can hold, else `ValueError`: a string, a finite number
+    (a sign allowed), True, False, None, or a list or dict (string keys) of those."""
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, bool, int, float))):
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise ValueError("not a JSON number")
+        return node.value
+    if (isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd))
+            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float)):
+        value = _json_literal(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.List):
+        return [_json_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if not all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+            raise ValueError("dict keys must be strings")  # a None key is a ** spread
+        return {k.value: _json_literal(v) for k, v in zip(node.keys, node.values)}
+    raise ValueError("not a literal")
 
 
 #: `model.tool_call_parser` -> its reader.
-PARSERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader}
+PARSERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "pythonic": PythonicReader}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +416,7 @@ class Calls:
     names: tuple[str, ...] = ()
     parallel: bool = True
 
-    def reader(self) -> HermesReader | Llama3JsonReader:
+    def reader(self) -> HermesReader | WholeOutputReader:
         return PARSERS[self.parser](self.names, self.parallel)
 
 

@@ -1,5 +1,6 @@
 """`cluster/tool_calls.py`: the schema of `tool_choice: "required"`, reading calls back
-out of a growing output, and `"auto"`'s Hermes and Llama 3 JSON parsers (expectations written by hand). The calls served over HTTP
+out of a growing output, and `"auto"`'s Hermes, Llama 3 JSON and pythonic parsers (expectations written
+by hand). The calls served over HTTP
 are tested in tests/cluster/test_serve.py."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 import pytest
 
 from cluster.tool_calls import (NO_PARAMETERS, CallDeltas, CallReader, Calls, HermesReader, Llama3JsonReader,
-                                call_finish_reason, read_output, required_schema, tool_choice_output)
+                                PythonicReader, call_finish_reason, read_output, required_schema, tool_choice_output)
 from verifier.errors import InvalidRequestError
 
 ADD = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Int"}, "b": {"$ref": "#/$defs/Int"}},
@@ -162,6 +163,7 @@ LLAMA3 = [
     # Around the calls: whitespace, and the python tag; between them ";".
     (f"\n <|python_tag|>{WEATHER_JSON}; {ADD_JSON}\n", "", [("get_weather", WEATHER_ARGS), ("add", ADD_ARGS)]),
     (f"{ADD_JSON};\n{ADD_JSON}", "", [("add", ADD_ARGS), ("add", ADD_ARGS)]),
+    (f"<|python_tag|> \n{ADD_JSON}", "", [("add", ADD_ARGS)]),
     ('{"name": "add"}', "", [("add", "{}")]),
     ('{"name": "add", "parameters": {"s": "é}"}}', "", [("add", '{"s": "é}"}')]),
     # Not calls: the whole text as written (text around them, a function not offered,
@@ -216,3 +218,87 @@ def test_llama3_json_without_parallel_calls_gives_the_first_call():
     assert deltas(ADD_JSON[:10], False) == (None, [])
     content, made = deltas(ADD_JSON[10:], True)
     assert content is None and [(d["index"], d["function"]) for d in made] == [(0, {"name": "add", "arguments": ADD_ARGS})]
+
+
+WEATHER_PY = 'get_weather(location="Lyon", unit=\'celsius\')'
+ADD_PY = "add(a=1, b=2)"
+#: (text, content, calls): the calls' arguments as JSON text, written by hand.
+PYTHONIC = [
+    (f"[{WEATHER_PY}]", "", [("get_weather", WEATHER_ARGS)]),
+    # Whitespace around and inside, two calls, Llama 4's tags, no arguments.
+    (f"\n [ {WEATHER_PY},\n  {ADD_PY} ]\n", "", [("get_weather", WEATHER_ARGS), ("add", ADD_ARGS)]),
+    (f"<|python_start|>[{ADD_PY}]<|python_end|>", "", [("add", ADD_ARGS)]),
+    ("[add()]", "", [("add", "{}")]),
+    # Every literal JSON holds: signs, floats, None, True, nested lists and dicts, unicode.
+    ('[add(a=-1, b=+2.5, c=None, d=True, e=[1, {"k": [False]}], s="é]")]', "",
+     [("add", '{"a": -1, "b": 2.5, "c": null, "d": true, "e": [1, {"k": [false]}], "s": "é]"}')]),
+    # Not calls: the whole text as written (text around, a function not offered, a
+    # positional argument, a repeated argument, a ** spread, an expression, a name, a
+    # tuple, a set, bytes, a non-string key, JSON's true, infinity, a sign on a non-number, an empty list, a list of a
+    # non-call, a method, a bare call, cut short, bad syntax, plain text, a partial tag).
+    (f"Here: [{ADD_PY}]", f"Here: [{ADD_PY}]", []),
+    (f"[{ADD_PY}] Done.", f"[{ADD_PY}] Done.", []),
+    ("[sub(a=1)]", "[sub(a=1)]", []),
+    ("[add(1, b=2)]", "[add(1, b=2)]", []),
+    ("[add(a=1, a=2)]", "[add(a=1, a=2)]", []),
+    ("[add(**x)]", "[add(**x)]", []),
+    ("[add(a=1 + 2)]", "[add(a=1 + 2)]", []),
+    ("[add(a=x)]", "[add(a=x)]", []),
+    ("[add(a=(1, 2))]", "[add(a=(1, 2))]", []),
+    ("[add(a={1})]", "[add(a={1})]", []),
+    ("[add(a=b'1')]", "[add(a=b'1')]", []),
+    ("[add(a={1: 2})]", "[add(a={1: 2})]", []),
+    ("[add(a=true)]", "[add(a=true)]", []),
+    ("[add(a=1e999)]", "[add(a=1e999)]", []),
+    ("[add(a=-True)]", "[add(a=-True)]", []),
+    ('[add(a=-"1")]', '[add(a=-"1")]', []),
+    ("[]", "[]", []),
+    ("[2 + 3]", "[2 + 3]", []),
+    ("[math.add(a=1)]", "[math.add(a=1)]", []),
+    (ADD_PY, ADD_PY, []),
+    ("[add(a=1, b=", "[add(a=1, b=", []),
+    ("[add(a=1)) ]", "[add(a=1)) ]", []),
+    ("  Hello,\n  world.\n", "  Hello,\n  world.\n", []),
+    ("<|python_st", "<|python_st", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), PYTHONIC)
+def test_pythonic_output_is_calls_or_content(text, content, calls):
+    assert PythonicReader(NAMES).feed(text, final=True) == (content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), PYTHONIC)
+def test_pythonic_streamed_holds_back_only_what_may_be_calls(text, content, calls):
+    may_be_calls = text.lstrip()[:1] in ("[", "<")
+    for size in (1, 2, 5):
+        reader = PythonicReader(NAMES)
+        got = ""
+        for i in range(0, len(text), size):
+            piece, found = reader.feed(text[i:i + size])
+            assert found == []  # the calls are known only at the end
+            got += piece
+        piece, found = reader.feed("", final=True)
+        assert (got + piece, found) == (content, calls)
+        if may_be_calls:
+            assert got == ""
+        else:  # content streams as it comes, after any leading whitespace
+            assert len(got) >= len(text) - size - (len(text) - len(text.lstrip()))
+
+
+def test_pythonic_without_parallel_calls_gives_the_first_call_and_serves_as_auto():
+    assert PythonicReader(NAMES, parallel=False).feed(f"[{WEATHER_PY}, {ADD_PY}]", final=True) == (
+        "", [("get_weather", WEATHER_ARGS)])
+    auto = Calls(None, "pythonic", NAMES)
+    content, calls = read_output(auto, f"[{ADD_PY}]")
+    assert content is None and [c["function"] for c in calls] == [{"name": "add", "arguments": ADD_ARGS}]
+    assert read_output(auto, "[2 + 3]") == ("[2 + 3]", [])
+    deltas = CallDeltas(auto)
+    assert deltas("[add(a=1", False) == (None, [])
+    content, made = deltas(", b=2)]", True)
+    assert content is None and [(d["index"], d["function"]) for d in made] == [(0, {"name": "add", "arguments": ADD_ARGS})]
+
+
+def test_pythonic_refuses_a_nesting_too_deep_for_the_parser_as_content():
+    text = "[add(a=" + "[" * 100_000 + "]" * 100_000 + ")]"
+    assert PythonicReader(NAMES).feed(text, final=True) == (text, [])
